@@ -1,0 +1,3 @@
+from dynctl.cli import main
+
+main()

@@ -1,0 +1,156 @@
+"""Client side of the host agent: upload once under its hash, call verbs with JSON, map answers to errors."""
+
+from __future__ import annotations
+
+import getpass
+import json
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+from dynctl import resources
+from dynctl.config import HostConfig
+from dynctl.errors import DynctlError, OperationFailed, PreflightError, UsageError
+from dynctl.transport.base import Transport
+
+PROTOCOL = 1
+_MISSING_RC = 97
+
+# Runs the uploaded agent if this exact version is present, else says so with exit 97: one round trip
+# per call in the common case, and no knowledge of the remote $HOME needed on this side.
+_BOOT = (
+    "import os,sys,runpy\n"
+    "w=os.path.expanduser(sys.argv[1]);p=os.path.join(w,'agent-'+sys.argv[2]+'.py')\n"
+    "if not os.path.isfile(p): sys.exit(97)\n"
+    "sys.argv=[p];runpy.run_path(p,run_name='__main__')\n"
+)
+
+# Writes the agent from stdin into workdir atomically (no SFTP: works through pct too).
+_UPLOAD = (
+    "import os,sys\n"
+    "w=os.path.expanduser(sys.argv[1]);p=os.path.join(w,'agent-'+sys.argv[2]+'.py')\n"
+    "try:\n"
+    " os.makedirs(w,0o700,exist_ok=True);t=p+'.tmp.%d'%os.getpid()\n"
+    " with open(t,'wb') as f: f.write(sys.stdin.buffer.read()); f.flush(); os.fsync(f.fileno())\n"
+    " os.chmod(t,0o600);os.replace(t,p)\n"
+    "except OSError as e:\n"
+    " sys.stderr.write('cannot write the dynctl agent into %s: %s\\n'%(w,e.strerror));sys.exit(3)\n"
+)
+
+
+class AgentError(DynctlError):
+    """A refusal or failure reported by the agent; `kind` says which."""
+
+    def __init__(self, message: str, kind: str, answer: dict[str, Any]) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.answer = answer
+        self.exit_code = {"preflight": 3, "busy": 3, "usage": 2, "protocol": 2}.get(kind, 1)
+
+
+class AgentClient:
+    def __init__(self, transport: Transport, host: HostConfig, timeout: float = 120.0) -> None:
+        self.transport = transport
+        self.host = host
+        self.timeout = timeout
+        self.round_trips = 0
+
+    def _request(self, verb: str, params: dict[str, Any]) -> bytes:
+        return json.dumps({
+            "protocol": PROTOCOL,
+            "verb": verb,
+            "params": params,
+            "host": {
+                "name": self.host.name,
+                "workdir": self.host.workdir,
+                "python": self.host.python,
+                "port": self.host.port,
+                "env": self.host.env,
+                "launch": self.host.launch_argv(),
+                "args": list(self.host.args),
+            },
+            "client": {"user": getpass.getuser(), "hostname": socket.gethostname()},
+        }).encode()
+
+    def _boot_argv(self) -> list[str]:
+        env = [f"{k}={v}" for k, v in self.host.env.items()]
+        prefix = ["env", *env] if env else []
+        return [*prefix, self.host.python, "-c", _BOOT, self.host.workdir, resources.agent_digest()]
+
+    def upload(self) -> None:
+        argv = [self.host.python, "-c", _UPLOAD, self.host.workdir, resources.agent_digest()]
+        self.round_trips += 1
+        res = self.transport.run(argv, stdin=resources.agent_source(), timeout=self.timeout)
+        if res.rc == 127 or b"No such file" in res.err and not res.out:
+            raise PreflightError(
+                f"{self.host.name}: python interpreter '{self.host.python}' not found "
+                f"({self.transport.description}); set hosts.{self.host.name}.python"
+            )
+        if not res.ok:
+            raise PreflightError(f"{self.host.name}: {res.stderr.strip() or 'agent upload failed'}")
+
+    def call(self, verb: str, **params: Any) -> Any:
+        """Run a verb; return its `result`, or raise AgentError with the agent's message."""
+        answer = self._call_raw(verb, params)
+        return answer.get("result")
+
+    def _call_raw(self, verb: str, params: dict[str, Any]) -> dict[str, Any]:
+        request = self._request(verb, params)
+        for attempt in (1, 2):
+            self.round_trips += 1
+            res = self.transport.run(self._boot_argv(), stdin=request, timeout=self.timeout)
+            if res.rc == _MISSING_RC and attempt == 1:
+                self.upload()
+                continue
+            return self._parse(verb, res.rc, res.out, res.err)
+        raise OperationFailed(f"{self.host.name}: the agent vanished right after upload")
+
+    def _parse(self, verb: str, rc: int, out: bytes, err: bytes) -> dict[str, Any]:
+        lines = [ln for ln in out.decode("utf-8", "replace").splitlines() if ln.strip()]
+        if rc == 127 or (not lines and b"not found" in err):
+            raise PreflightError(
+                f"{self.host.name}: python interpreter '{self.host.python}' not found "
+                f"({self.transport.description}); set hosts.{self.host.name}.python"
+            )
+        if not lines:
+            raise OperationFailed(
+                f"{self.host.name}: agent verb '{verb}' exited {rc} without an answer: "
+                f"{err.decode('utf-8', 'replace').strip()[-800:]}"
+            )
+        try:
+            answer = json.loads(lines[-1])
+        except ValueError:
+            raise OperationFailed(f"{self.host.name}: agent answered garbage: {lines[-1][:200]!r}") from None
+        return self._check(answer)
+
+    def _check(self, answer: dict[str, Any]) -> dict[str, Any]:
+        if answer.get("protocol") != PROTOCOL:
+            raise UsageError(
+                f"{self.host.name}: agent protocol {answer.get('protocol')} does not match client protocol {PROTOCOL}"
+            )
+        if not answer.get("ok"):
+            raise AgentError(f"{self.host.name}: {answer.get('error')}", answer.get("kind", "failed"), answer)
+        return answer
+
+    def stream(self, verb: str, **params: Any) -> Iterator[dict[str, Any]]:
+        """Run a streaming verb; yield each JSON line until the agent says done."""
+        request = self._request(verb, params)
+        for attempt in (1, 2):
+            self.round_trips += 1
+            stream = self.transport.open_stream(self._boot_argv(), stdin=request)
+            got_any = False
+            try:
+                for raw in stream.lines():
+                    if not raw.strip():
+                        continue
+                    got_any = True
+                    item = self._check(json.loads(raw))
+                    if item.get("done"):
+                        return
+                    yield item
+            finally:
+                stream.close()
+            if not got_any and stream.rc == _MISSING_RC and attempt == 1:
+                self.upload()
+                continue
+            raise OperationFailed(f"{self.host.name}: agent stream '{verb}' ended early (rc {stream.rc})")

@@ -1,0 +1,38 @@
+"""The `dynctl` command line (typer). Each command group lives in its own module."""
+
+from __future__ import annotations
+
+import typer
+
+from dynctl import __version__
+from dynctl.cli import hosts as hosts_cli
+from dynctl.cli import patch as patch_cli
+
+app = typer.Typer(
+    name="dynctl",
+    help="Safe deploys, rollbacks and a live view for SGLang GPU hosts.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"dynctl {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Show the version."),
+) -> None:
+    pass
+
+
+hosts_cli.register(app)
+app.add_typer(patch_cli.app, name="patch")
+
+
+def main() -> None:
+    app()
