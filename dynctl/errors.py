@@ -39,3 +39,9 @@ class UnreachableError(DynctlError):
 
 class HostKeyError(UnreachableError):
     pass
+
+
+class CommandTimeout(DynctlError):
+    """A command on the host did not finish in time."""
+
+    exit_code = 1

@@ -198,8 +198,10 @@ def sha256_file(path):
 
 
 def server_env(ctx):
+    """The host's environment plus the configured `env`; values may refer to $VARS of the host."""
     env = dict(os.environ)
-    env.update(ctx.env)
+    for key, value in ctx.env.items():
+        env[key] = os.path.expandvars(value)
     return env
 
 
@@ -355,7 +357,7 @@ def ping(ctx, **_):
     return {"pong": True, "time": time.time()}
 
 
-# --------------------------------------------------------------------------- main
+# ---- main
 
 
 def _answer(obj):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 from collections.abc import Iterator, Sequence
 
-from dynctl.errors import UnreachableError
+from dynctl.errors import CommandTimeout
 from dynctl.transport.base import Result
 
 
@@ -57,7 +57,7 @@ class Local:
         except FileNotFoundError as err:
             return Result(127, b"", f"{argv[0]}: command not found ({err.strerror})\n".encode())
         except subprocess.TimeoutExpired as err:
-            raise UnreachableError(f"local command {argv[0]} did not finish within {timeout:g} s") from err
+            raise CommandTimeout(f"local command {argv[0]} did not finish within {timeout:g} s") from err
         return Result(proc.returncode, proc.stdout, proc.stderr)
 
     def open_stream(self, argv: Sequence[str], stdin: bytes | None = None) -> LocalStream:
