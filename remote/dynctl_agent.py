@@ -357,6 +357,1880 @@ def ping(ctx, **_):
     return {"pong": True, "time": time.time()}
 
 
+# ---- operations (issue 5)
+#
+# A host-changing operation (deploy, rollback) runs as ONE detached agent process on the host, in its own
+# session, holding the host lock under its own pid. The client only starts it and follows its event file,
+# so a dropped SSH connection never interrupts a critical sequence: the worker finishes, and the next
+# client sees either the lock held by a live worker (and can follow it) or the final state.
+#
+#   workdir/ops/<id>.json      the request (kind, params, client)
+#   workdir/ops/<id>.jsonl     events, one JSON object per line; the last one has "final": true
+#   workdir/ops/<id>.log       the worker's own stdout/stderr (tracebacks land here)
+
+OPS = {}
+
+
+def operation(name):
+    def register(fn):
+        OPS[name] = fn
+        return fn
+
+    return register
+
+
+class OpLog:
+    """Events of one operation, appended to its .jsonl and mirrored into the journal."""
+
+    def __init__(self, ctx, op_id, kind):
+        self.ctx = ctx
+        self.op_id = op_id
+        self.kind = kind
+        self.path = ctx.path("ops", op_id + ".jsonl")
+        self.t0 = time.monotonic()
+        self.step_t0 = {}
+
+    def emit(self, type_, **fields):
+        record = {"t": now_iso(), "elapsed": round(time.monotonic() - self.t0, 3), "type": type_}
+        record.update(fields)
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            os.write(fd, (json.dumps(record, default=str) + "\n").encode())
+        finally:
+            os.close(fd)
+        if type_ != "log":
+            journal(self.ctx, "%s.%s" % (self.kind, type_), op=self.op_id,
+                    **{k: v for k, v in fields.items() if k != "lines"})
+
+    @contextlib.contextmanager
+    def step(self, name, detail=None):
+        self.emit("step_started", step=name, detail=detail)
+        t0 = time.monotonic()
+        yield
+        self.emit("step_done", step=name, seconds=round(time.monotonic() - t0, 3))
+
+    def log(self, line):
+        self.emit("log", text=line)
+
+    def warn(self, text):
+        self.emit("warning", text=text)
+
+
+def _new_op_id(kind):
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S")
+    return "%s-%s-%s" % (stamp, kind, os.urandom(3).hex())
+
+
+def _replace_json(path, obj):
+    tmp = "%s.tmp.%d" % (path, os.getpid())
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(obj, f, default=str)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+@verb("op_start")
+def op_start(ctx, kind, params=None, **_):
+    """Take the host lock, start the detached worker, hand the lock to it, return the op id."""
+    if kind not in OPS:
+        raise AgentError("unknown operation %r" % kind, "usage")
+    ctx.ensure_workdir()
+    os.makedirs(ctx.path("ops"), mode=0o700, exist_ok=True)
+    op_id = _new_op_id(kind)
+    request = {"id": op_id, "kind": kind, "params": params or {}, "client": ctx.client,
+               "host": {"name": ctx.name, "workdir": ctx.workdir, "python": ctx.python, "port": ctx.port,
+                        "env": ctx.env, "launch": ctx.launch, "args": ctx.args}}
+    _replace_json(ctx.path("ops", op_id + ".json"), request)
+    with host_lock(ctx, kind) as holder:
+        log = open(ctx.path("ops", op_id + ".log"), "ab")
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__), "--op", ctx.path("ops", op_id + ".json")],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True, close_fds=True, cwd=ctx.workdir,
+            )
+        finally:
+            log.close()
+        holder.update({"pid": proc.pid, "pid_start": _wait_start_time(proc.pid), "op": op_id})
+        _replace_json(ctx.path("lock"), holder)  # the worker now owns the lock; our exit leaves it alone
+    ctx.changed = True
+    return {"op_id": op_id, "worker_pid": proc.pid}
+
+
+def _wait_start_time(pid):
+    for _ in range(100):
+        start = process_start_time(pid)
+        if start is not None:
+            return start
+        time.sleep(0.01)
+    return None
+
+
+def _lock_holder(ctx):
+    holder = _read_json(ctx.path("lock"))
+    if not holder:
+        return None
+    pid = int(holder.get("pid") or 0)
+    if pid_alive(pid) and process_start_time(pid) == holder.get("pid_start"):
+        return holder
+    return None
+
+
+@verb("op_follow", stream=True)
+def op_follow(ctx, op_id=None, from_line=0, **_):
+    """Yield the events of an operation (the running one when op_id is None) until its final event."""
+    if op_id is None:
+        holder = _lock_holder(ctx)
+        if not holder or not holder.get("op"):
+            raise AgentError("no operation is running on %s" % ctx.name, "usage")
+        op_id = holder["op"]
+    path = ctx.path("ops", op_id + ".jsonl")
+    request = _read_json(ctx.path("ops", op_id + ".json"))
+    if request is None:
+        raise AgentError("no operation %s on %s" % (op_id, ctx.name), "usage")
+    seen = 0
+    pos = 0
+    idle_checks = 0
+    while True:
+        lines = []
+        try:
+            with open(path, "rb") as f:
+                f.seek(pos)
+                chunk = f.read()
+                end = chunk.rfind(b"\n") + 1
+                pos += end
+                lines = chunk[:end].splitlines()
+        except FileNotFoundError:
+            pass
+        for raw in lines:
+            seen += 1
+            if seen <= from_line:
+                continue
+            event = json.loads(raw)
+            event["op_id"] = op_id
+            event["seq"] = seen
+            yield event
+            if event.get("final"):
+                return
+        if not lines:
+            holder = _lock_holder(ctx)
+            if holder is None or holder.get("op") != op_id:
+                idle_checks += 1
+                if idle_checks > 3:  # the worker is gone and wrote no final event
+                    yield {"type": "final", "final": True, "ok": False, "op_id": op_id,
+                           "error": "the %s worker died without finishing; see %s"
+                                    % (request.get("kind"), ctx.path("ops", op_id + ".log"))}
+                    return
+            time.sleep(0.1)
+
+
+def run_operation(request_path):
+    """Entry point of the detached worker (`dynctl_agent.py --op REQUEST`)."""
+    request = _read_json(request_path)
+    ctx = Context(request["host"], request.get("client"))
+    oplog = OpLog(ctx, request["id"], request["kind"])
+    oplog.emit("started", kind=request["kind"], params=request.get("params"), pid=os.getpid())
+    try:
+        result = OPS[request["kind"]](ctx, oplog, **(request.get("params") or {}))
+        final = {"ok": True}
+        final.update(result or {})
+    except AgentError as err:
+        final = {"ok": False, "kind": err.kind, "error": str(err)}
+        final.update(err.extra)
+    except Exception as err:  # the worker must always leave a final word
+        import traceback
+
+        traceback.print_exc()
+        final = {"ok": False, "kind": "failed", "error": "%s: %s" % (type(err).__name__, err)}
+    finally:
+        holder = _read_json(ctx.path("lock")) or {}
+        if holder.get("pid") == os.getpid():
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(ctx.path("lock"))
+    oplog.emit("final", final=True, **final)
+    return 0 if final.get("ok") else 1
+
+
+# ---- bench (issue 7)
+#
+# The load generator of `dynctl bench` runs here, next to the server: its timings are then the server's
+# and not the SSH path's (benchmarks/bench_loadgen.py measures both ways), and all streams cost one SSH
+# channel instead of one forwarded channel each. Closed loop: each of C workers keeps one HTTP/1.1
+# connection and sends its next streaming /v1/completions request when the previous one has ended.
+# The raw timings go back to the client, which computes the statistics (dynctl/bench/stats.py).
+
+import asyncio  # noqa: E402 - this section's own imports stay with it
+import random  # noqa: E402
+import resource  # noqa: E402
+import urllib.error  # noqa: E402
+import urllib.request  # noqa: E402
+
+_BENCH_GAUGES = {
+    "sglang:num_running_reqs": "running",
+    "sglang:num_queue_reqs": "queued",
+    "sglang:gen_throughput": "gen_throughput",
+    "sglang:spec_accept_length": "accept_length",
+    "sglang:spec_enabled": "spec_enabled",
+    "sglang:spec_disable_threshold": "threshold",
+    "sglang:spec_disabled_steps_total": "disabled_steps",
+    "sglang:generation_tokens_total": "generation_tokens",
+}
+_BENCH_LABEL = re.compile(r'(\w+)="([^"]*)"')
+_BENCH_REPLICA_LABELS = ("tp_rank", "pp_rank", "moe_ep_rank")  # ranks that repeat the same batch
+_BENCH_THRESHOLD_KEY = "speculative_disable_batch_threshold"
+_BENCH_VOCAB = range(1000, 20000)  # token ids every real vocabulary has
+
+
+def bench_parse_metrics(text):
+    """The few sglang series bench samples, summed over DP ranks; decode steps per cuda-graph mode.
+
+    With --enable-metrics-for-all-schedulers every TP rank repeats the same batch: only rank 0 counts.
+    """
+    out = {}
+    for line in text.splitlines():
+        if not line.startswith("sglang:"):
+            continue
+        head, _, value = line.rpartition(" ")
+        name = head.split("{", 1)[0].strip()
+        try:
+            number = float(value)
+        except ValueError:
+            continue
+        labels = dict(_BENCH_LABEL.findall(head))
+        if any(labels.get(k, "0") != "0" for k in _BENCH_REPLICA_LABELS):
+            continue
+        if name == "sglang:cuda_graph_passes_total":
+            key = "passes_" + labels.get("mode", "unknown")
+        else:
+            key = _BENCH_GAUGES.get(name)
+        if key is not None and number == number and abs(number) != float("inf"):  # NaN: "no value yet"
+            out[key] = out.get(key, 0.0) + number
+    return out
+
+
+def _bench_url(host, port, path):
+    return "http://%s:%d%s" % (host, port, path)
+
+
+def _bench_get_json(host, port, path, timeout):
+    with urllib.request.urlopen(_bench_url(host, port, path), timeout=timeout) as resp:
+        return json.loads(resp.read().decode("utf-8", "replace"))
+
+
+def _bench_server_info(host, port, timeout):
+    try:
+        return _bench_get_json(host, port, "/server_info", timeout)
+    except urllib.error.HTTPError as err:
+        if err.code != 404:
+            raise
+        return _bench_get_json(host, port, "/get_server_info", timeout)  # before the rename
+
+
+def _bench_thresholds(info):
+    states = info.get("internal_states") or []
+    return [s.get(_BENCH_THRESHOLD_KEY) for s in states if isinstance(s, dict) and _BENCH_THRESHOLD_KEY in s]
+
+
+@verb("bench_probe")
+def bench_probe(ctx, host="127.0.0.1", port=None, timeout=10.0, **_):
+    """Is the server answering, which model, which speculation, and is the threshold live-switchable."""
+    port = int(port or ctx.port)
+    where = "%s:%d" % (host, port)
+    try:
+        models = _bench_get_json(host, port, "/v1/models", timeout)
+        info = _bench_server_info(host, port, timeout)
+    except (OSError, ValueError) as err:  # URLError and HTTPError are OSErrors
+        return {"reachable": False, "where": where, "error": str(getattr(err, "reason", None) or err)}
+    data = models.get("data") or [{}]
+    thresholds = _bench_thresholds(info)
+    metrics = True
+    try:
+        with urllib.request.urlopen(_bench_url(host, port, "/metrics"), timeout=timeout) as resp:
+            metrics = "sglang:" in resp.read().decode("utf-8", "replace")
+    except (OSError, ValueError):
+        metrics = False
+    return {
+        "reachable": True,
+        "where": where,
+        "model": data[0].get("id"),
+        "version": info.get("version"),
+        "speculative_algorithm": info.get("speculative_algorithm"),
+        "threshold": thresholds[0] if thresholds else None,
+        "threshold_live": bool(thresholds),
+        "metrics": metrics,
+    }
+
+
+@verb("bench_set_threshold")
+def bench_set_threshold(ctx, threshold, host="127.0.0.1", port=None, timeout=10.0, **_):
+    """Set the speculation threshold live, then read back what every scheduler has in force."""
+    port = int(port or ctx.port)
+    if not isinstance(threshold, int) or isinstance(threshold, bool) or threshold < -1:
+        raise AgentError("threshold must be an integer >= -1, got %r" % (threshold,), "usage")
+    body = json.dumps({"server_args": {_BENCH_THRESHOLD_KEY: threshold}}).encode()
+    req = urllib.request.Request(_bench_url(host, port, "/set_internal_state"), data=body, method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            resp.read()
+        info = _bench_server_info(host, port, timeout)
+    except (OSError, ValueError) as err:
+        raise AgentError("server at %s:%d: cannot change the threshold: %s" % (host, port, err), "failed")
+    in_force = _bench_thresholds(info)
+    if not in_force:  # /set_internal_state answers "updated" even for keys it ignores: trust the read-back
+        raise AgentError("server at %s:%d has no %s in /server_info internal_states: it is not patched, so "
+                         "the threshold cannot change live" % (host, port, _BENCH_THRESHOLD_KEY), "preflight")
+    if any(v != threshold for v in in_force):
+        raise AgentError("server at %s:%d did not take threshold %d: in force %s"
+                         % (host, port, threshold, in_force), "failed")
+    journal(ctx, "bench.threshold", threshold=threshold)
+    return {"threshold": threshold, "in_force": in_force}
+
+
+class _BenchLevel:
+    """One closed-loop level: C workers, warm-up, then a window of a duration or a request count."""
+
+    def __init__(self, host, port, model, concurrency, input_len, output_len, duration, num_prompts,
+                 warmup, seed, sample_s, idle_timeout, max_level_s):
+        self.host, self.port, self.model = host, port, model
+        self.concurrency = concurrency
+        self.input_len, self.output_len = input_len, output_len
+        self.duration, self.num_prompts = duration, num_prompts
+        self.warmup = warmup
+        self.rng = random.Random(seed)
+        self.sample_s, self.idle_timeout, self.max_level_s = sample_s, idle_timeout, max_level_s
+        self.t0 = time.perf_counter()
+        self.w0 = 0.0 if warmup == 0 else None
+        self.w1 = None
+        self.warm_claimed = self.warm_done = 0
+        self.measured_claimed = self.measured_done = 0
+        self.failed = self.warmup_failed = 0
+        self.records = []
+        self.errors = {}
+        self.samples = []
+        self.metrics_note = None
+        self.timed_out = False
+        self.stop = False
+        self.window_open = asyncio.Event()
+        self.finished = asyncio.Event()
+        self.busy = {}  # worker id -> (writer, last activity)
+        if self.w0 is not None:
+            self.w1 = duration
+            self.window_open.set()
+
+    def now(self):
+        return time.perf_counter() - self.t0
+
+    # -- requests
+    def _body(self):
+        prompt = self.rng.choices(_BENCH_VOCAB, k=self.input_len)  # exact length without a tokenizer
+        return json.dumps({
+            "model": self.model, "prompt": prompt, "max_tokens": self.output_len, "temperature": 0.0,
+            "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        }).encode()
+
+    def _claim(self):
+        """'warm' or 'measure' for the next request, None when this level sends no more."""
+        if self.stop:
+            return None
+        if self.warm_claimed < self.warmup:
+            self.warm_claimed += 1
+            return "warm"
+        if self.num_prompts is not None:
+            if self.measured_claimed >= self.num_prompts:
+                return None
+            self.measured_claimed += 1
+        return "measure"
+
+    def _note_error(self, message):
+        message = message.strip().splitlines()[0][:200] if message.strip() else "error"
+        if message in self.errors or len(self.errors) < 20:
+            self.errors[message] = self.errors.get(message, 0) + 1
+
+    def _finish(self, kind, record, error):
+        now = self.now()
+        if kind == "warm":
+            self.warm_done += 1
+            if error:
+                self.warmup_failed += 1
+                self._note_error(error)
+            if self.warm_done >= self.warmup and self.w0 is None:
+                self.w0 = now
+                if self.duration is not None:
+                    self.w1 = now + self.duration
+                self.window_open.set()
+            return
+        if error:
+            if self.num_prompts is not None or (self.w0 is not None and (self.w1 is None or now <= self.w1)):
+                self.failed += 1
+            self._note_error(error)
+        elif record is not None:
+            self.records.append(record)
+        if self.num_prompts is not None:
+            self.measured_done += 1
+            if self.measured_done >= self.num_prompts:
+                self.w1 = now
+                self.stop = True
+                self.finished.set()
+
+    async def _connect(self):
+        return await asyncio.wait_for(asyncio.open_connection(self.host, self.port), 10.0)
+
+    async def _request(self, wid, conn, record):
+        """One streaming request on `conn`; fills `record`; returns (conn to reuse or None, error or None)."""
+        reader, writer = conn
+        body = self._body()
+        head = ("POST /v1/completions HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json\r\n"
+                "Accept: text/event-stream\r\nContent-Length: %d\r\n\r\n" % (self.host, self.port, len(body)))
+        start = time.perf_counter()
+        record["s"] = round(start - self.t0, 6)
+        self.busy[wid] = [writer, start, None]  # writer, last activity, why the watchdog cut it
+        writer.write(head.encode() + body)
+        await writer.drain()
+        status_line = await reader.readline()
+        if not status_line:
+            raise ConnectionResetError("server closed the connection before answering")
+        parts = status_line.split(None, 2)
+        status = int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 0
+        headers = {}
+        while True:
+            line = await reader.readline()
+            if line in (b"\r\n", b"\n", b""):
+                break
+            k, _, v = line.decode("latin-1").partition(":")
+            headers[k.strip().lower()] = v.strip().lower()
+        keep = headers.get("connection") != "close" and not status_line.startswith(b"HTTP/1.0")
+        times, cums = [], []
+        state = {"buf": b"", "cum": 0, "usage": None, "error": None, "done": False}
+
+        def on_data(data, t):
+            buf = state["buf"] + data
+            while True:
+                i = buf.find(b"\n")
+                if i < 0:
+                    break
+                line, buf = buf[:i].strip(), buf[i + 1:]
+                if not line.startswith(b"data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == b"[DONE]":
+                    state["done"] = True
+                    continue
+                try:
+                    obj = json.loads(payload)
+                except ValueError:
+                    state["error"] = "unparsable stream event: %r" % payload[:80]
+                    continue
+                if "error" in obj or obj.get("object") == "error":
+                    err = obj.get("error", obj)
+                    state["error"] = "server error: %s" % (err.get("message") if isinstance(err, dict) else err)
+                    continue
+                usage = obj.get("usage") or {}
+                choices = obj.get("choices") or []
+                text = choices[0].get("text") if choices else None
+                if usage.get("completion_tokens") is not None:
+                    state["usage"] = int(usage["completion_tokens"])
+                if text:
+                    state["cum"] = state["usage"] if state["usage"] is not None else state["cum"] + 1
+                    times.append(int((t - start) * 1e6))
+                    cums.append(state["cum"])
+            state["buf"] = buf
+
+        record["t"], record["k"] = times, cums
+        async for data in self._body_chunks(reader, headers, status):
+            now = time.perf_counter()
+            self.busy[wid][1] = now
+            if status == 200:
+                on_data(data, now)
+            else:
+                state["error"] = "HTTP %d: %s" % (status, data[:200].decode("utf-8", "replace"))
+        record["e"] = int((time.perf_counter() - start) * 1e6)
+        if status != 200 and state["error"] is None:
+            state["error"] = "HTTP %d" % status
+        record["n"] = state["usage"] if state["usage"] is not None else state["cum"]
+        if state["error"] is None and not times:
+            state["error"] = "stream ended without any token"
+        return (conn if keep else None), state["error"]
+
+    async def _body_chunks(self, reader, headers, status):
+        if "chunked" in headers.get("transfer-encoding", ""):
+            while True:
+                size_line = await reader.readline()
+                if not size_line:
+                    raise ConnectionResetError("connection closed in the middle of the response")
+                size = int(size_line.split(b";")[0].strip() or b"0", 16)
+                if size == 0:
+                    while (await reader.readline()) not in (b"\r\n", b"\n", b""):
+                        pass
+                    return
+                data = await reader.readexactly(size + 2)
+                yield data[:-2]
+        elif "content-length" in headers:
+            left = int(headers["content-length"])
+            while left > 0:
+                data = await reader.read(min(left, 65536))
+                if not data:
+                    raise ConnectionResetError("connection closed in the middle of the response")
+                left -= len(data)
+                yield data
+        else:
+            while True:
+                data = await reader.read(65536)
+                if not data:
+                    return
+                yield data
+
+    async def _worker(self, wid):
+        conn = None
+        while True:
+            kind = self._claim()
+            if kind is None:
+                break
+            record, error = {}, None
+            for attempt in (1, 2):
+                reused = conn is not None
+                try:
+                    if conn is None:
+                        conn = await self._connect()
+                    conn, error = await self._request(wid, conn, record)
+                    break
+                except asyncio.CancelledError:
+                    if kind == "measure" and record.get("t"):
+                        record["a"] = 1  # cut at the end of the window: its tokens so far still count
+                        record["e"] = int((time.perf_counter() - self.t0 - record["s"]) * 1e6)
+                        record["n"] = record["k"][-1]
+                        self.records.append(record)
+                    self._close(conn)
+                    raise
+                except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError, ValueError) as err:
+                    self._close(conn)
+                    conn = None
+                    entry = self.busy.get(wid)
+                    # a kept-alive connection the server closed in between: one silent retry, nothing was sent
+                    if attempt == 1 and reused and not record.get("t") and not (entry and entry[2]):
+                        record = {}
+                        continue
+                    error = entry[2] if entry and entry[2] else ("%s: %s" % (type(err).__name__, err)).rstrip(": ")
+                    break
+                finally:
+                    self.busy.pop(wid, None)
+            self._finish(kind, None if error else record, error)
+            if error and conn is None:
+                await asyncio.sleep(0.2)  # server down or restarting: do not spin
+        self._close(conn)
+
+    @staticmethod
+    def _close(conn):
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn[1].transport.abort()
+
+    async def _watchdog(self):
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.perf_counter()
+            for entry in list(self.busy.values()):
+                if entry[2] is None and now - entry[1] > self.idle_timeout:
+                    entry[2] = "no data from the server for %g s" % self.idle_timeout
+                    entry[0].transport.abort()
+
+    async def _sampler(self):
+        while True:
+            try:
+                text = await asyncio.wait_for(self._get_text("/metrics"), 5.0)
+            except (OSError, ValueError, asyncio.IncompleteReadError, asyncio.TimeoutError) as err:
+                text = None
+                self.metrics_note = "metrics unreadable: %s" % (err,)
+            if text is not None:
+                if "sglang:" not in text:
+                    self.metrics_note = "no sglang metrics at /metrics (start the server with --enable-metrics)"
+                    return
+                sample = bench_parse_metrics(text)
+                sample["t"] = round(self.now(), 3)
+                self.samples.append(sample)
+            await asyncio.sleep(self.sample_s)
+
+    async def _get_text(self, path):
+        reader, writer = await self._connect()
+        try:
+            writer.write(("GET %s HTTP/1.1\r\nHost: %s:%d\r\nConnection: close\r\n\r\n"
+                          % (path, self.host, self.port)).encode())
+            await writer.drain()
+            status_line = await reader.readline()
+            headers = {}
+            while True:
+                line = await reader.readline()
+                if line in (b"\r\n", b"\n", b""):
+                    break
+                k, _, v = line.decode("latin-1").partition(":")
+                headers[k.strip().lower()] = v.strip().lower()
+            chunks = [c async for c in self._body_chunks(reader, headers, 200)]
+            if b" 200 " not in status_line + b" ":
+                return ""
+            return b"".join(chunks).decode("utf-8", "replace")
+        finally:
+            writer.transport.abort()
+
+    async def _until(self, event, *others):
+        """Wait for `event` (or any of `others` to end) until the level's time cap; True if it fired."""
+        waiter = asyncio.ensure_future(event.wait())
+        try:
+            await asyncio.wait([waiter, *others], timeout=max(0.0, self.max_level_s - self.now()),
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+        return event.is_set()
+
+    async def run(self):
+        workers = [asyncio.ensure_future(self._worker(i)) for i in range(self.concurrency)]
+        helpers = [asyncio.ensure_future(self._watchdog()), asyncio.ensure_future(self._sampler())]
+        all_done = asyncio.ensure_future(asyncio.gather(*workers, return_exceptions=True))
+        try:
+            if not await self._until(self.window_open, all_done):
+                self.timed_out = not all_done.done()
+            elif self.duration is not None:
+                cap = min(self.w1, self.max_level_s) - self.now()
+                await asyncio.wait([all_done], timeout=max(0.0, cap))
+                self.timed_out = self.now() < self.w1 - 0.01 and not all_done.done()
+            elif not await self._until(self.finished, all_done):
+                self.timed_out = not all_done.done()
+        finally:
+            self.stop = True
+            end = self.now()
+            if self.w0 is None:
+                self.w0 = end
+            if self.w1 is None or self.w1 > end:
+                self.w1 = end
+            for task in workers + helpers:
+                task.cancel()
+            await asyncio.gather(*workers, *helpers, all_done, return_exceptions=True)
+
+    def tick(self):
+        phase = "warmup" if self.w0 is None else "measure"
+        latest = self.samples[-1] if self.samples else {}
+        return {"ok": True, "event": "tick", "phase": phase, "elapsed": round(self.now(), 3),
+                "warmup_done": self.warm_done, "completed": len(self.records), "failed": self.failed,
+                "running": latest.get("running"), "window_elapsed": round(self.now() - self.w0, 3)
+                if self.w0 is not None else None}
+
+    def result(self, cpu_s):
+        wall = self.now()
+        return {
+            "ok": True, "event": "level", "concurrency": self.concurrency, "window": [self.w0, self.w1],
+            "records": self.records, "failed": self.failed, "warmup": self.warmup,
+            "warmup_failed": self.warmup_failed, "errors": self.errors, "samples": self.samples,
+            "metrics_note": self.metrics_note, "timed_out": self.timed_out,
+            "loadgen": {"cpu_s": round(cpu_s, 3), "wall_s": round(wall, 3),
+                        "cpu_percent": round(100.0 * cpu_s / wall, 1) if wall > 0 else None},
+        }
+
+
+def _bench_cpu_s():
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+@verb("bench_level", stream=True)
+def bench_level(ctx, concurrency, input_len, output_len, duration=None, num_prompts=None, warmup=None,
+                model=None, seed=0, host="127.0.0.1", port=None, tick_s=1.0, sample_s=0.5,
+                idle_timeout=300.0, max_level_s=None, **_):
+    """Run one closed-loop level; yield a tick about every tick_s, then the raw level result."""
+    port = int(port or ctx.port)
+    for name, value in (("concurrency", concurrency), ("input_len", input_len), ("output_len", output_len)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise AgentError("%s must be a positive integer, got %r" % (name, value), "usage")
+    if (duration is None) == (num_prompts is None):
+        raise AgentError("give exactly one of duration and num_prompts", "usage")
+    warmup = concurrency if warmup is None else int(warmup)
+    if max_level_s is None:
+        max_level_s = 3600.0 + (duration or 0)
+    probe = bench_probe(ctx, host=host, port=port)
+    if not probe["reachable"]:
+        raise AgentError("server at %s not answering: %s" % (probe["where"], probe["error"]), "unreachable")
+    level_args = (host, port, model or probe["model"], concurrency, input_len, output_len, duration, num_prompts,
+                  warmup, seed, sample_s, idle_timeout, max_level_s)
+    loop = asyncio.new_event_loop()
+    try:
+        level = loop.run_until_complete(_bench_make_level(level_args))
+        cpu0 = _bench_cpu_s()
+        task = loop.create_task(level.run())
+        # The loop only runs inside run_until_complete: between slices we write one small tick line.
+        while not task.done():
+            loop.run_until_complete(asyncio.wait([task], timeout=tick_s))
+            if not task.done():
+                yield level.tick()
+        task.result()
+        yield level.result(_bench_cpu_s() - cpu0)
+    finally:
+        loop.close()
+
+
+async def _bench_make_level(args):
+    return _BenchLevel(*args)  # built inside the loop: its Events bind to it on Python < 3.10
+
+
+# ---- watch (issue 6)
+#
+# `watch` is the live feed of the TUI: ONE long-lived call per host that samples everything on the host
+# itself and answers one JSON line per interval, so the client never opens a channel per refresh and
+# a slow host never piles up requests. Raw values only (Prometheus text, nvidia-smi CSV, log lines): the
+# client parses them with dynctl.metrics, the same code `dynctl status` uses.
+
+import signal  # noqa: E402  (sections are self-contained)
+import threading  # noqa: E402
+import urllib.error  # noqa: E402
+import urllib.request  # noqa: E402
+
+# Never route 127.0.0.1 through an http_proxy the host's environment may set.
+_WATCH_HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+_WATCH_METRICS_CAP = 4 << 20
+_WATCH_LOG_SCAN = 256 << 10  # how far back the first sample looks for state marks
+_WATCH_LOG_CAP = 1 << 20  # most log bytes read per interval; a flood beyond that is skipped
+# Lines the client needs even when the tail it is sent is cut: speculation transitions, drain, ready, crash.
+_WATCH_MARKS = ("Speculation enabled", "Speculation disabled", "SIGTERM received", "fired up and ready to roll",
+                "Traceback (most recent call last)")
+_WATCH_MAX_MARKS = 200
+# Same query as dynctl.metrics.GPU_QUERY, with the sample's timestamp first to cut the stream into blocks.
+_WATCH_GPU_FIELDS = "index,uuid,name,utilization.gpu,memory.used,memory.total"
+_WATCH_INFO_KEYS = ("version", "model_path", "served_model_name", "tp_size", "dp_size", "enable_dp_attention",
+                    "speculative_algorithm", "speculative_num_steps", "speculative_eagle_topk",
+                    "speculative_num_draft_tokens", "speculative_disable_batch_threshold", "speculative_adaptive",
+                    "max_running_requests", "disable_overlap_schedule")
+_WATCH_STATE_KEYS = ("speculative_disable_batch_threshold", "avg_spec_accept_length", "last_gen_throughput",
+                     "effective_max_running_requests_per_dp")
+
+
+def _watch_get(port, path, timeout, cap):
+    with _WATCH_HTTP.open("http://127.0.0.1:%d%s" % (port, path), timeout=timeout) as resp:
+        return resp.read(cap)
+
+
+def _watch_http_error(err):
+    if isinstance(err, urllib.error.HTTPError):
+        return "HTTP %d" % err.code
+    reason = getattr(err, "reason", err)
+    if isinstance(reason, socket.timeout) or isinstance(err, socket.timeout):
+        return "timed out"
+    return str(getattr(reason, "strerror", None) or reason)
+
+
+def _watch_metrics(ctx, timeout):
+    """The sglang: samples of /metrics, without histogram buckets (the client needs none of them)."""
+    t0 = time.time()
+    try:
+        raw = _watch_get(ctx.port, "/metrics", timeout, _WATCH_METRICS_CAP).decode("utf-8", "replace")
+    except (OSError, ValueError, urllib.error.URLError) as err:
+        return {"ok": False, "error": _watch_http_error(err)}
+    keep = []
+    for line in raw.splitlines():
+        if line.startswith("sglang:"):
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if not (name.endswith("_bucket") or name.endswith("_created")):
+                keep.append(line)
+        elif line.startswith("# TYPE sglang:"):
+            keep.append(line)
+    return {"ok": True, "text": "\n".join(keep) + "\n", "ms": round((time.time() - t0) * 1000, 1)}
+
+
+def _watch_server_info(ctx, timeout):
+    try:
+        data = json.loads(_watch_get(ctx.port, "/server_info", timeout, 8 << 20).decode("utf-8", "replace"))
+    except (OSError, ValueError, urllib.error.URLError) as err:
+        return {"ok": False, "error": _watch_http_error(err)}
+    if not isinstance(data, dict):
+        return {"ok": False, "error": "/server_info is not a JSON object"}
+    out = {k: data[k] for k in _WATCH_INFO_KEYS if k in data}
+    states = data.get("internal_states")
+    first = states[0] if isinstance(states, list) and states and isinstance(states[0], dict) else {}
+    out["internal_state"] = {k: first[k] for k in _WATCH_STATE_KEYS if k in first}
+    return {"ok": True, "data": out}
+
+
+_BOOT_TIME = []
+
+
+def _watch_boot_time():
+    if not _BOOT_TIME:
+        try:
+            with open("/proc/stat") as f:
+                _BOOT_TIME.append(next(int(ln.split()[1]) for ln in f if ln.startswith("btime ")))
+        except (OSError, StopIteration, ValueError):
+            _BOOT_TIME.append(None)
+    return _BOOT_TIME[0]
+
+
+def _watch_started(pid):
+    """Epoch seconds when pid started, or None."""
+    ticks, boot = process_start_time(pid), _watch_boot_time()
+    if ticks is None or boot is None:
+        return None
+    return boot + ticks / float(os.sysconf("SC_CLK_TCK"))
+
+
+def _watch_pidfile(ctx):
+    """The pid in workdir/server.pid: a JSON object with "pid", or a bare number."""
+    try:
+        with open(ctx.path("server.pid")) as f:
+            raw = f.read().strip()
+    except OSError:
+        return None
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        return None
+    if isinstance(data, dict):
+        data = data.get("pid")
+    try:
+        return int(data) or None
+    except (TypeError, ValueError):
+        return None
+
+
+class _WatchProcess:
+    """Finds the server like SPEC §5 does (pidfile, else port), rescanning the port only every few seconds."""
+
+    PORT_EVERY = 5.0
+
+    def __init__(self, ctx):
+        self.ctx = ctx
+        self.port_pid = None
+        self.port_checked = 0.0
+
+    def sample(self, now):
+        pid, source = _watch_pidfile(self.ctx), "pidfile"
+        if pid is None or not pid_alive(pid):
+            if now - self.port_checked >= self.PORT_EVERY or (self.port_pid and not pid_alive(self.port_pid)):
+                pids = listening_pids(self.ctx.port)
+                self.port_pid, self.port_checked = (pids[0] if pids else None), now
+            if self.port_pid and pid_alive(self.port_pid):
+                pid, source = self.port_pid, "port"
+            elif pid is None:
+                return {"pid": None, "alive": False, "source": None}
+        alive = pid_alive(pid)
+        return {"pid": pid, "alive": alive, "source": source, "started": _watch_started(pid) if alive else None}
+
+
+class _WatchLog:
+    """New lines of the server log since the last sample; follows truncation and replacement."""
+
+    def __init__(self, path, max_lines):
+        self.path = path
+        self.max_lines = max_lines
+        self.f = None
+        self.ino = None
+        self.pos = 0
+        self.partial = b""
+
+    def _open(self, at_end):
+        self.close()
+        f = open(self.path, "rb")
+        st = os.fstat(f.fileno())
+        self.f, self.ino, self.partial = f, st.st_ino, b""
+        self.pos = max(0, st.st_size - _WATCH_LOG_SCAN) if at_end else 0
+        return self.pos > 0
+
+    def close(self):
+        if self.f is not None:
+            self.f.close()
+            self.f = None
+
+    def sample(self, first=False):
+        out = {"path": self.path, "lines": [], "marks": [], "decode": None, "dropped": 0, "reset": False}
+        try:
+            if self.f is None:
+                cut = self._open(at_end=first)
+                out["reset"] = not first
+            else:
+                st = os.stat(self.path)
+                if st.st_ino != self.ino or st.st_size < self.pos:  # replaced or truncated: a new server run
+                    cut = self._open(at_end=False)
+                    out["reset"] = True
+                else:
+                    cut = False
+            size = os.fstat(self.f.fileno()).st_size
+            if size - self.pos > _WATCH_LOG_CAP:
+                self.pos, self.partial, cut = size - _WATCH_LOG_CAP, b"", True
+                out["dropped"] += 1
+            self.f.seek(self.pos)
+            chunk = self.f.read(size - self.pos)
+        except OSError as err:
+            self.close()
+            out["error"] = "%s: %s" % (self.path, err.strerror or err)
+            return out
+        self.pos += len(chunk)
+        data = self.partial + chunk
+        end = data.rfind(b"\n") + 1
+        self.partial = data[end:]
+        lines = data[:end].decode("utf-8", "replace").splitlines()
+        if cut and lines:
+            lines = lines[1:]  # the first line starts mid-way
+        for line in lines:
+            if "Decode batch" in line:
+                out["decode"] = line
+            if any(m in line for m in _WATCH_MARKS):
+                out["marks"].append(line)
+        out["marks"] = out["marks"][-_WATCH_MAX_MARKS:]
+        out["dropped"] += max(0, len(lines) - self.max_lines)
+        out["lines"] = lines[-self.max_lines:] if self.max_lines else []
+        return out
+
+
+class _WatchGpus:
+    """One long-lived `nvidia-smi --query-gpu ... -lms` (NVML stays initialised; a call per second costs
+    20-30 ms with persistence mode on, seconds without), read by a thread that keeps the last full block."""
+
+    RETRY_EVERY = 30.0
+
+    def __init__(self, ctx, interval):
+        self.exe = shutil.which("nvidia-smi", path=server_env(ctx).get("PATH"))
+        self.env = server_env(ctx)
+        self.ms = max(100, int(interval * 1000))
+        self.lock = threading.Lock()
+        self.latest = None
+        self.error = None if self.exe else "nvidia-smi not found on the server's PATH"
+        self.proc = None
+        self.started = 0.0
+
+    def _start(self, now):
+        self.started = now
+        try:
+            self.proc = subprocess.Popen(
+                [self.exe, "--query-gpu=timestamp," + _WATCH_GPU_FIELDS, "--format=csv,noheader,nounits",
+                 "-lms", str(self.ms)],
+                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=self.env,
+            )
+        except OSError as err:
+            self.error = "nvidia-smi: %s" % (err.strerror or err)
+            return
+        threading.Thread(target=self._read, args=(self.proc,), daemon=True).start()
+
+    def _read(self, proc):
+        # A block is one timestamp's lines; publish it as soon as it has as many GPUs as the last one
+        # had, and again when the next timestamp shows it was longer.
+        block, stamp, size, noise = [], None, None, []
+        for raw in proc.stdout:
+            line = raw.decode("utf-8", "replace").rstrip("\n")
+            head, sep, rest = line.partition(", ")
+            if not sep or not rest[:1].isdigit():
+                noise.append(line.strip())
+                continue
+            if head != stamp:
+                if block:
+                    self._publish(block, stamp)
+                    size = len(block)
+                block, stamp = [], head
+            block.append(rest)
+            if size is not None and len(block) >= size:
+                self._publish(block, stamp)
+        proc.wait()
+        with self.lock:
+            self.error = ("nvidia-smi exited %s: %s" % (proc.returncode, " ".join(noise)[-300:])).strip(": ")
+
+    def _publish(self, block, stamp):
+        with self.lock:
+            self.latest = {"ok": True, "csv": "\n".join(block) + "\n", "stamp": stamp, "t": time.time()}
+            self.error = None
+
+    def sample(self, now):
+        if self.exe is None:
+            return {"ok": False, "error": self.error}
+        if (self.proc is None or self.proc.poll() is not None) and now - self.started >= self.RETRY_EVERY:
+            self._start(now)
+        with self.lock:
+            if self.latest is not None and now - self.latest["t"] < max(5.0, 3 * self.ms / 1000.0):
+                return dict(self.latest)
+            return {"ok": False, "error": self.error or "waiting for nvidia-smi"}
+
+    def stop(self):
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(2)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _watch_release(ctx):
+    """The release in force as the deploy code records it (workdir/releases/current), if any."""
+    link = ctx.path("releases", "current")
+    if os.path.islink(link):
+        target = os.path.realpath(link)
+        manifest = _read_json(os.path.join(target, "manifest.json")) or {}
+        return dict(manifest, id=manifest.get("id") or os.path.basename(target))
+    data = _read_json(link) if os.path.isfile(link) else None
+    if isinstance(data, dict):
+        return data
+    return None
+
+
+def _watch_lock(ctx):
+    holder = _read_json(ctx.path("lock"))
+    if not holder:
+        return None
+    pid = int(holder.get("pid") or 0)
+    if not (pid_alive(pid) and process_start_time(pid) == holder.get("pid_start")):
+        return None
+    return {k: holder.get(k) for k in ("operation", "who", "client_host", "started", "op")}
+
+
+def _watch_number(value, name, low, high, kind=float):
+    try:
+        number = kind(value)
+    except (TypeError, ValueError):
+        raise AgentError("watch: %s must be a number, got %r" % (name, value), "usage")
+    if not low <= number <= high:
+        raise AgentError("watch: %s must be between %s and %s, got %s" % (name, low, high, number), "usage")
+    return number
+
+
+class _WatchStop(BrokenPipeError):
+    """SIGTERM from the client closing its end: the same as a broken pipe, so main() ends quietly."""
+
+
+def _watch_sigterm(signum, frame):
+    raise _WatchStop()
+
+
+@verb("watch", stream=True)
+def watch(ctx, interval=1.0, log_lines=50, gpus=True, max_items=None, info_every=5.0, **_):
+    """Yield one sample of the server, its GPUs and its log every `interval` seconds, on the host itself."""
+    interval = _watch_number(interval, "interval", 0.05, 60.0)
+    log_lines = _watch_number(log_lines, "log_lines", 0, 5000, int)
+    info_every = _watch_number(info_every, "info_every", 0.0, 3600.0)
+    max_items = None if max_items is None else _watch_number(max_items, "max_items", 1, 10 ** 9, int)
+    proc, log = _WatchProcess(ctx), _WatchLog(ctx.path("server.log"), log_lines)
+    gpu = _WatchGpus(ctx, interval) if gpus else None
+    previous = None
+    if threading.current_thread() is threading.main_thread():  # a closed stream ends us by SIGTERM
+        previous = signal.signal(signal.SIGTERM, _watch_sigterm)
+    seq, slot, info_at, last_pid, last_http = 0, time.time(), None, None, None
+    try:
+        while True:
+            start = time.time()
+            budget = interval * 0.8
+            item = {"ok": True, "seq": seq, "t": start, "utc_offset": time.localtime(start).tm_gmtoff,
+                    "interval": interval, "port": ctx.port}
+            item["process"] = proc.sample(start)
+            item["metrics"] = _watch_metrics(ctx, max(0.05, budget * 0.5))
+            pid = item["process"]["pid"]
+            if (info_at is None or start - info_at >= info_every or pid != last_pid
+                    or item["metrics"]["ok"] != last_http):
+                item["server_info"] = _watch_server_info(ctx, max(0.05, start + budget - time.time()))
+                info_at = start
+            last_pid, last_http = pid, item["metrics"]["ok"]
+            item["gpus"] = gpu.sample(start) if gpu else None
+            item["log"] = log.sample(first=seq == 0)
+            item["release"] = _watch_release(ctx)
+            item["lock"] = _watch_lock(ctx)
+            item["sample_ms"] = round((time.time() - start) * 1000, 1)
+            yield item
+            seq += 1
+            if max_items is not None and seq >= max_items:
+                return
+            slot += interval
+            now = time.time()
+            if slot < now:  # a slow sample: skip the missed slots instead of bursting to catch up
+                slot = now
+            time.sleep(slot - now)
+    except _WatchStop:
+        return
+    finally:
+        log.close()
+        if gpu:
+            gpu.stop()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+# ---- lifecycle (issue 5)
+#
+# The server is started in its own session with a marker in its environment, so everything it spawns
+# can be found again -- children that setsid() away, orphans that outlive it -- without ever matching
+# a process by name. Every kill is of a (pid, start time) pair collected from that server, so a
+# recycled pid is never signalled. Zombies count as gone.
+
+import signal  # noqa: E402
+import threading  # noqa: E402
+import http.client  # noqa: E402
+import uuid  # noqa: E402
+
+SERVER_PIDFILE = "server.json"
+SERVER_LOG = "server.log"
+SERVER_MARKER_ENV = "DYNCTL_SERVER_ID"
+_LC_LOG_ROTATE = 256 << 20
+_LC_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+_LC_SGLANG_PORT = 30000
+
+
+def _lc_stat(pid):
+    """(ppid, pgid, sid, start_ticks, state) of pid from /proc, or None when it is gone."""
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return {"ppid": int(fields[1]), "pgid": int(fields[2]), "sid": int(fields[3]),
+                "start": int(fields[19]), "state": fields[0]}
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _lc_table():
+    table = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            st = _lc_stat(int(name))
+            if st is not None:
+                table[int(name)] = st
+    return table
+
+
+def _lc_same(pid, start):
+    """pid is still the live (non-zombie) process that started at `start`."""
+    st = _lc_stat(pid)
+    return st is not None and st["state"] not in ("Z", "X") and st["start"] == start
+
+
+def _lc_uptime(start_ticks):
+    try:
+        with open("/proc/stat") as f:
+            btime = next(int(ln.split()[1]) for ln in f if ln.startswith("btime "))
+        return max(0.0, time.time() - (btime + start_ticks / float(_LC_CLK_TCK)))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def _lc_has_marker(pid, marker):
+    try:
+        with open("/proc/%d/environ" % pid, "rb") as f:
+            return (b"\0%s=%s\0" % (SERVER_MARKER_ENV.encode(), marker.encode())) in b"\0" + f.read() + b"\0"
+    except OSError:
+        return False
+
+
+def _lc_argv_port(argv):
+    for i, arg in enumerate(argv):
+        if arg == "--port" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--port="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _lc_argv_matches(cmd, argv):
+    """cmd (from /proc) is what exec'ing argv gives: equal, or behind a shebang interpreter."""
+    if not cmd or not argv:
+        return False
+    if cmd == argv:
+        return True
+    tail = list(argv[1:])
+    head = cmd[: len(cmd) - len(tail)] if tail else cmd
+    if tail and cmd[len(cmd) - len(tail):] != tail:
+        return False
+    return any(os.path.basename(h) == os.path.basename(argv[0]) for h in head)
+
+
+def _lc_runs_module(cmd, module):
+    """cmd is `python [opts] -m module ...` (a `-c` before it makes it a decoy, not a server)."""
+    i = 1
+    while i < len(cmd):
+        arg = cmd[i]
+        if arg == "-c" or not arg.startswith("-"):
+            return False
+        if arg == "-m":
+            return i + 1 < len(cmd) and cmd[i + 1] == module
+        if arg.startswith("-m"):
+            return arg[2:] == module
+        i += 2 if arg in ("-X", "-W") else 1
+    return False
+
+
+def _lc_contains(cmd, part):
+    """part appears in cmd right at the start or behind an interpreter and one option."""
+    n = len(part)
+    return n > 0 and any(cmd[i:i + n] == list(part) for i in range(0, min(3, len(cmd) - n + 1)))
+
+
+def _lc_looks_like_server(ctx, cmd):
+    """cmd runs sglang's launcher, or the configured launch command, on ctx.port."""
+    if not cmd:
+        return False
+    launch = list(ctx.launch or [])
+    runs = _lc_runs_module(cmd, "sglang.launch_server")
+    if not runs and len(launch) >= 3 and launch[-2] == "-m":
+        runs = _lc_runs_module(cmd, launch[-1])
+    elif not runs and launch:
+        runs = _lc_contains(cmd, launch[1:] or launch)
+    if not runs:
+        return False
+    port = _lc_argv_port(cmd)
+    return str(ctx.port) == port if port is not None else ctx.port == _LC_SGLANG_PORT
+
+
+def _lc_tree(table, pid, start, leads_session, marker):
+    """{pid: start} of the server and everything it spawned: descendants, its session, marker holders."""
+    tree = {pid: start}
+    children = {}
+    for p, st in table.items():
+        children.setdefault(st["ppid"], []).append(p)
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in tree and table[child]["start"] >= start:
+                tree[child] = table[child]["start"]
+                todo.append(child)
+    for p, st in table.items():
+        if p in tree or st["start"] < start or st["state"] in ("Z", "X"):
+            continue
+        if (leads_session and st["sid"] == pid) or (marker and _lc_has_marker(p, marker)):
+            tree[p] = st["start"]
+    return tree
+
+
+def _lc_pidfile(ctx):
+    return _read_json(ctx.path(SERVER_PIDFILE)) if os.path.isdir(ctx.workdir) else None
+
+
+def _lc_write_pidfile(ctx, record):
+    ctx.ensure_workdir()
+    path = ctx.path(SERVER_PIDFILE)
+    tmp = "%s.tmp.%d" % (path, os.getpid())
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(record, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)
+
+
+def _lc_describe(pid):
+    return {"pid": pid, "cmdline": cmdline(pid)}
+
+
+def _lc_leftovers(table, rec):
+    """Live processes of a previous server that is gone: its session and whatever carries its marker.
+
+    Session members count only while pid `rec.pid` is free or still ours: the kernel keeps a pid
+    reserved while it names a session, so a new leader with that pid means a new, foreign session.
+    """
+    old, start, marker = int(rec["pid"]), rec.get("pid_start"), rec.get("marker")
+    if start is None:
+        return {}
+    lead = table.get(old)
+    # a zombie cannot be a recycled pid; a live process must be the very one we started
+    session_ours = lead is None or (lead["start"] == start and (
+        lead["state"] in ("Z", "X") or _lc_argv_matches(cmdline(old), rec.get("argv") or [])))
+    found = {}
+    for p, st in table.items():
+        if st["state"] in ("Z", "X") or st["start"] < start or (p == old and not session_ours):
+            continue
+        if (session_ours and st["sid"] == old) or (marker and _lc_has_marker(p, marker)):
+            found[p] = st["start"]
+    return found
+
+
+def locate_server(ctx):
+    """Where the managed server is: pidfile, else the launcher listening on the port, else by command line.
+
+    Returns {"server": {...} or None, "record": pidfile, "pidfile": note, "tree": {pid: start},
+    "leftovers": {pid: start} of a previous server, "foreign": [listeners on the port that are not ours]}.
+    """
+    rec = _lc_pidfile(ctx) or None
+    table = _lc_table()
+    server, note = None, "absent"
+    if rec and rec.get("pid"):
+        pid = int(rec["pid"])
+        st = table.get(pid)
+        if rec.get("stopped"):
+            note = "stopped"
+        elif st is None or st["state"] in ("Z", "X"):
+            note = "stale: pid %d is gone" % pid
+        elif st["start"] != rec.get("pid_start") or not _lc_argv_matches(cmdline(pid), rec.get("argv") or []):
+            note = "stale: pid %d now belongs to another process (%s)" % (pid, " ".join(cmdline(pid))[:120])
+        else:
+            note = "ok"
+            server = dict(pid=pid, start=st["start"], sid=st["sid"], source="pidfile",
+                          marker=rec.get("marker"), argv=cmdline(pid))
+    leftovers = _lc_leftovers(table, rec) if rec and rec.get("pid") and server is None else {}
+    live = {p: st for p, st in table.items() if st["state"] not in ("Z", "X") and p not in leftovers}
+    listeners = listening_pids(ctx.port)
+    if server is None:
+        for pid in listeners:
+            if pid in live and _lc_looks_like_server(ctx, cmdline(pid)):
+                server = dict(pid=pid, start=live[pid]["start"], sid=live[pid]["sid"], source="port",
+                              marker=None, argv=cmdline(pid))
+                break
+    if server is None:
+        found = [p for p in live if p != os.getpid() and _lc_looks_like_server(ctx, cmdline(p))]
+        found = [p for p in found if live[p]["ppid"] not in found]  # the launcher, not its children
+        if found:
+            pid = min(found, key=lambda p: live[p]["start"])
+            server = dict(pid=pid, start=live[pid]["start"], sid=live[pid]["sid"], source="cmdline",
+                          marker=None, argv=cmdline(pid))
+    tree = {}
+    if server is not None:
+        tree = _lc_tree(table, server["pid"], server["start"], server["sid"] == server["pid"], server["marker"])
+        leftovers = {p: s for p, s in leftovers.items() if p not in tree}
+    foreign = [p for p in listeners if p not in tree and p not in leftovers]
+    return {"server": server, "record": rec, "pidfile": note, "tree": tree, "leftovers": leftovers,
+            "foreign": foreign}
+
+
+def _lc_probe_host(argv):
+    host = None
+    for i, arg in enumerate(argv or []):
+        if arg == "--host" and i + 1 < len(argv):
+            host = argv[i + 1]
+        elif arg.startswith("--host="):
+            host = arg.split("=", 1)[1]
+    return "127.0.0.1" if host in (None, "", "0.0.0.0", "::", "[::]", "localhost") else host
+
+
+def _lc_http(host, port, method, path, body=None, timeout=5.0):
+    """(status, body bytes); raises OSError/HTTPException when nothing sensible came back."""
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        headers = {"Content-Type": "application/json"} if body is not None else {}
+        conn.request(method, path, body=json.dumps(body).encode() if body is not None else None, headers=headers)
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+def _lc_health(host, port, timeout=3.0):
+    try:
+        return _lc_http(host, port, "GET", "/health", timeout=timeout)[0]
+    except (OSError, http.client.HTTPException):
+        return None
+
+
+def find_server(ctx):
+    """State of the managed server: down / starting / ready / draining, with pid, uptime and port owner."""
+    loc = locate_server(ctx)
+    server, rec = loc["server"], loc["record"] or {}
+    out = {"state": "down", "pid": None, "source": None, "argv": None, "uptime_s": None, "started": None,
+           "release": None, "health": None, "port": ctx.port, "pidfile": loc["pidfile"],
+           "log": ctx.path(SERVER_LOG), "port_owner": None,
+           "leftovers": [_lc_describe(p) for p in sorted(loc["leftovers"])]}
+    if loc["foreign"]:
+        out["port_owner"] = _lc_describe(loc["foreign"][0])
+    if server is None:
+        return out
+    from_pidfile = server["source"] == "pidfile"
+    out.update(pid=server["pid"], source=server["source"], argv=server["argv"], uptime_s=_lc_uptime(server["start"]),
+               started=rec.get("started") if from_pidfile else None,
+               release=rec.get("release") if from_pidfile else None)
+    out["health"] = _lc_health(_lc_probe_host(server["argv"]), ctx.port)
+    if from_pidfile and rec.get("stopping"):
+        out["state"] = "draining"
+    elif out["health"] == 200:
+        out["state"] = "ready"
+    else:
+        out["state"] = "starting"
+    return out
+
+
+# -- stop
+
+
+def nvidia_smi_path(ctx):
+    return shutil.which("nvidia-smi", path=server_env(ctx).get("PATH"))
+
+
+def gpu_compute_pids(smi):
+    """Pids nvidia-smi lists as compute processes holding GPU memory; None when it cannot say."""
+    try:
+        proc = subprocess.run([smi, "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if proc.returncode != 0:
+        return None
+    pids = {}
+    for line in proc.stdout.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if parts and parts[0].isdigit():
+            pids[int(parts[0])] = parts[1] if len(parts) > 1 else None
+    return pids
+
+
+def _lc_signal(ctx, pid, start, sig, why):
+    """Send sig to pid only while it is still the process we collected; True when sent."""
+    if not _lc_same(pid, start):
+        return False
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        return False
+    except PermissionError as err:
+        raise AgentError("cannot signal pid %d (%s): %s" % (pid, " ".join(cmdline(pid))[:80], err.strerror))
+    journal(ctx, "stop.signal", pid=pid, signal=signal.Signals(sig).name, why=why, cmdline=cmdline(pid)[:8])
+    return True
+
+
+def _lc_wait_until(cond, timeout, step=0.02):
+    deadline = time.monotonic() + timeout
+    while True:
+        if cond():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(step)
+
+
+def _lc_reap(pid):
+    """Collect our own child's exit status (the agent that started a server may still be its parent)."""
+    try:
+        done, status = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return None
+    if done != pid:
+        return None
+    return os.waitstatus_to_exitcode(status) if hasattr(os, "waitstatus_to_exitcode") else status
+
+
+def _lc_mark_pidfile(ctx, server, **fields):
+    rec = _lc_pidfile(ctx)
+    if rec and server and rec.get("pid") == server["pid"]:
+        rec.update(fields)
+        _lc_write_pidfile(ctx, rec)
+
+
+def stop_server(ctx, grace=60.0, port_timeout=30.0, gpu_timeout=60.0):
+    """SIGTERM the main pid, SIGKILL after grace, sweep its tree, wait for the port and the GPU to be free."""
+    t0 = time.monotonic()
+    loc = locate_server(ctx)
+    server, leftovers = loc["server"], dict(loc["leftovers"])
+    if server is None and not leftovers:
+        rec = loc["record"]
+        if rec and not rec.get("stopped"):
+            rec["stopped"] = now_iso()
+            _lc_write_pidfile(ctx, rec)
+        msg = "server already stopped"
+        if loc["foreign"]:
+            msg += "; port %d is held by a process dynctl does not manage (pid %d)" % (ctx.port, loc["foreign"][0])
+        journal(ctx, "stop.noop", port=ctx.port, pidfile=loc["pidfile"])
+        return {"stopped": False, "message": msg, "pidfile": loc["pidfile"],
+                "port_owner": _lc_describe(loc["foreign"][0]) if loc["foreign"] else None}
+    ctx.changed = True
+    smi = nvidia_smi_path(ctx)
+    gpu_before = gpu_compute_pids(smi) if smi else None
+    tree = dict(loc["tree"])
+    tree.update(leftovers)
+    out = {"stopped": True, "pid": server["pid"] if server else None, "source": server["source"] if server else None,
+           "escalated": False, "swept": [], "grace_s": grace, "timings": {}, "warnings": []}
+    journal(ctx, "stop.begin", pid=out["pid"], source=out["source"], grace=grace, tree=sorted(tree),
+            leftovers=sorted(leftovers))
+    t_exit = time.monotonic()
+    if server is not None:
+        pid, start = server["pid"], server["start"]
+        _lc_mark_pidfile(ctx, server, stopping=now_iso())
+        t_term = time.monotonic()
+        _lc_signal(ctx, pid, start, signal.SIGTERM, "stop: drain")
+        gone = lambda: _lc_reap(pid) is not None or not _lc_same(pid, start)  # noqa: E731
+        if not _lc_wait_until(gone, grace, 0.05):
+            out["escalated"] = True
+            _lc_signal(ctx, pid, start, signal.SIGKILL, "stop: grace %gs over" % grace)
+            if not _lc_wait_until(gone, 10.0):
+                raise AgentError("pid %d survived SIGKILL for 10 s (state %s); the host needs attention"
+                                 % (pid, (_lc_stat(pid) or {}).get("state")))
+        t_exit = time.monotonic()
+        out["timings"]["sigterm_to_exit_s"] = round(t_exit - t_term, 4)
+        journal(ctx, "stop.exited", pid=pid, escalated=out["escalated"], after_s=out["timings"]["sigterm_to_exit_s"])
+        # children that appeared while it drained belong to it too
+        table = _lc_table()
+        for p, st in table.items():
+            if st["start"] >= start and st["state"] not in ("Z", "X") and p not in tree and (
+                    (server["sid"] == pid and st["sid"] == pid) or (server["marker"] and _lc_has_marker(p, server["marker"]))):
+                tree[p] = st["start"]
+    survivors = {p: s for p, s in tree.items() if _lc_same(p, s)}
+    for p, s in sorted(survivors.items()):
+        desc = _lc_describe(p)
+        if _lc_signal(ctx, p, s, signal.SIGKILL, "stop: sweep survivor of the server"):
+            out["swept"].append(desc)
+    if not _lc_wait_until(lambda: not any(_lc_same(p, s) for p, s in survivors.items()), 10.0):
+        left = [p for p, s in survivors.items() if _lc_same(p, s)]
+        raise AgentError("processes of the old server survived SIGKILL: %s" % ", ".join(map(str, left)))
+    t_swept = time.monotonic()
+
+    def port_settled():
+        held = listening_pids(ctx.port)
+        return (not held and not port_in_use(ctx.port)) or any(p not in tree for p in held)
+
+    if _lc_wait_until(port_settled, port_timeout):
+        foreign = [p for p in listening_pids(ctx.port) if p not in tree]
+        if foreign:
+            out["warnings"].append("port %d was taken by a process dynctl does not manage: pid %d (%s)"
+                                   % (ctx.port, foreign[0], " ".join(cmdline(foreign[0]))[:120]))
+    else:
+        raise AgentError("port %d is still in use %gs after the server exited" % (ctx.port, port_timeout))
+    t_port = time.monotonic()
+    out["timings"]["exit_to_port_free_s"] = round(t_port - t_exit, 4)
+    out["timings"]["sweep_s"] = round(t_swept - t_exit, 4)
+    journal(ctx, "stop.port_free", port=ctx.port, after_exit_s=out["timings"]["exit_to_port_free_s"],
+            swept=[d["pid"] for d in out["swept"]])
+    out["gpu"] = _lc_wait_gpu_released(ctx, smi, gpu_before, tree, gpu_timeout, t_exit, out)
+    rec = _lc_pidfile(ctx)
+    if rec and not rec.get("stopped"):
+        rec["stopped"] = now_iso()
+        _lc_write_pidfile(ctx, rec)
+    out["timings"]["total_s"] = round(time.monotonic() - t0, 4)
+    journal(ctx, "stop.done", **out["timings"])
+    return out
+
+
+def _lc_wait_gpu_released(ctx, smi, before, tree, timeout, t_exit, out):
+    if not smi:
+        return {"checked": False, "why": "nvidia-smi not found in the server's PATH"}
+    if before is None:
+        out["warnings"].append("nvidia-smi at %s did not answer; GPU release not verified" % smi)
+        return {"checked": False, "why": "nvidia-smi failed", "nvidia_smi": smi}
+    held_before = sorted(p for p in before if p in tree)
+    if before and not held_before and not any(_lc_stat(p) for p in before):
+        out["warnings"].append("nvidia-smi lists pids not visible here (%s): in a container it may show host "
+                               "pids; GPU release not verified" % ", ".join(map(str, sorted(before))))
+    still = held_before
+    deadline = time.monotonic() + timeout
+    while True:
+        now = gpu_compute_pids(smi)
+        still = sorted(p for p in (now or {}) if p in tree) if now is not None else still
+        if now is not None and not still:
+            break
+        if time.monotonic() >= deadline:
+            raise AgentError("GPU memory is still held by pid(s) %s of the old server %gs after it exited"
+                             % (", ".join(map(str, still)), timeout))
+        time.sleep(0.2)
+    elapsed = round(time.monotonic() - t_exit, 4)
+    out["timings"]["exit_to_gpu_released_s"] = elapsed
+    journal(ctx, "stop.gpu_released", held_before=held_before, after_exit_s=elapsed)
+    return {"checked": True, "nvidia_smi": smi, "held_before": held_before, "released_after_exit_s": elapsed}
+
+
+# -- start
+
+
+def _lc_rotate_log(path):
+    with contextlib.suppress(OSError):
+        if os.path.getsize(path) > _LC_LOG_ROTATE:
+            os.replace(path, path + ".1")
+
+
+def start_server(ctx, argv, env=None, release=None):
+    """Start argv detached in its own session, log to workdir/server.log, write the pidfile; don't wait."""
+    if not isinstance(argv, list) or not argv or not all(isinstance(a, str) and a for a in argv):
+        raise AgentError("start needs argv as a non-empty list of strings, got %r" % (argv,), "usage")
+    env = env or {}
+    if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+        raise AgentError("start needs env as a table of strings, got %r" % (env,), "usage")
+    port = _lc_argv_port(argv)
+    if port is not None and port != str(ctx.port):
+        raise AgentError("argv says --port %s but this host's port is %d" % (port, ctx.port), "usage")
+    loc = locate_server(ctx)
+    server = loc["server"]
+    if server is not None:
+        if _lc_argv_matches(server["argv"], argv):
+            return {"already_running": True, "pid": server["pid"], "argv": server["argv"], "source": server["source"]}
+        raise AgentError("a server is already running on port %d (pid %d, found by %s: %s); stop it first"
+                         % (ctx.port, server["pid"], server["source"], " ".join(server["argv"])[:200]), "preflight")
+    if loc["foreign"]:
+        p = loc["foreign"][0]
+        journal(ctx, "start.refused", reason="foreign port owner", pid=p, cmdline=cmdline(p)[:8])
+        raise AgentError("port %d is held by pid %d (%s), which dynctl did not start; nothing was killed -- stop "
+                         "it yourself or change the port in the config" % (ctx.port, p, " ".join(cmdline(p))[:200]),
+                         "preflight", port_owner=_lc_describe(p))
+    if loc["leftovers"]:
+        raise AgentError("processes of the previous server are still alive (pids %s); run `dynctl stop` first"
+                         % ", ".join(map(str, sorted(loc["leftovers"]))), "preflight")
+    if port_in_use(ctx.port):
+        raise AgentError("port %d is in use by a process %s cannot see; nothing was started"
+                         % (ctx.port, getpass.getuser()), "preflight")
+    ctx.ensure_workdir()
+    log_path = ctx.path(SERVER_LOG)
+    _lc_rotate_log(log_path)
+    marker = uuid.uuid4().hex
+    full_env = server_env(ctx)
+    full_env.update({k: os.path.expandvars(v) for k, v in env.items()})
+    full_env[SERVER_MARKER_ENV] = marker
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    with os.fdopen(fd, "ab") as log:
+        log.write(("==== dynctl start %s by %s release=%s argv=%s\n"
+                   % (now_iso(), ctx.who, release, json.dumps(argv))).encode())
+        log.flush()
+        offset = log.tell()
+        try:
+            # own session: not tied to the SSH channel, killable as a whole; stdin closed so
+            # nothing waits on us, stdout/stderr to the log so sshd sees EOF at once
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                    env=full_env, cwd=os.path.expanduser("~"), start_new_session=True,
+                                    close_fds=True)
+        except OSError as err:
+            journal(ctx, "start.failed", argv=argv, error=str(err))
+            raise AgentError("cannot start %s on %s: %s" % (argv[0], ctx.name, err.strerror or err), "preflight")
+    st = _lc_stat(proc.pid) or {}
+    record = {"pid": proc.pid, "pid_start": st.get("start"), "pgid": st.get("pgid"), "sid": st.get("sid"),
+              "argv": argv, "port": ctx.port, "started": now_iso(), "release": release, "marker": marker,
+              "log": log_path, "log_offset": offset, "env": env, "who": ctx.who}
+    _lc_write_pidfile(ctx, record)
+    ctx.changed = True
+    journal(ctx, "start.spawned", pid=proc.pid, argv=argv, release=release, env_keys=sorted(env))
+    return dict(record, already_running=False)
+
+
+# -- readiness
+
+
+def _lc_log_tail(path, lines, since=0):
+    """Last `lines` lines of the log from byte offset `since`."""
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, 2)
+            start = max(since, size - max(lines, 1) * 4096)
+            f.seek(start)
+            data = f.read()
+    except OSError:
+        return []
+    text = data.decode("utf-8", "replace").splitlines()
+    if start > since and text:
+        text = text[1:]  # the first line was cut in the middle
+    return text[-lines:] if lines else []
+
+
+def _lc_check_ready(host, port, generate):
+    """One readiness probe: /health_generate 200, then a real /generate that returns tokens."""
+    try:
+        status, _ = _lc_http(host, port, "GET", "/health_generate", timeout=25.0)
+        if status != 200:
+            return {"ready": False, "detail": "/health_generate answered %d" % status}
+        if not generate:
+            return {"ready": True}
+        body = {"text": "Hello", "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+        status, raw = _lc_http(host, port, "POST", "/generate", body=body, timeout=120.0)
+    except (OSError, http.client.HTTPException) as err:
+        return {"ready": False, "detail": "%s" % (getattr(err, "strerror", None) or err.__class__.__name__)}
+    if status != 200:
+        return {"ready": False, "detail": "/generate answered %d" % status}
+    try:
+        answer = json.loads(raw)
+        answer = answer[0] if isinstance(answer, list) else answer
+        meta = answer.get("meta_info") or {}
+        tokens = int(meta.get("completion_tokens") or len(answer.get("output_ids") or []))
+        text = answer.get("text") or ""
+    except (ValueError, AttributeError, TypeError):
+        return {"ready": False, "detail": "/generate answered non-JSON"}
+    if tokens <= 0 and not text:
+        return {"ready": False, "detail": "/generate returned no tokens"}
+    return {"ready": True, "generate": {"tokens": tokens, "text": text[:80]}}
+
+
+class _LcProbe(threading.Thread):
+    """Readiness probe off the main loop, so a slow /health_generate never delays crash detection."""
+
+    def __init__(self, host, port, generate):
+        super().__init__(daemon=True)
+        self.args_ = (host, port, generate)
+        self.result = None
+
+    def run(self):
+        self.result = _lc_check_ready(*self.args_)
+
+
+def wait_ready(ctx, ready_timeout=900.0, generate=True, poll=0.1):
+    """Yield progress until the server answers; the last item is {"event": "ready"} or {"event": "failed"}."""
+    rec = _lc_pidfile(ctx)
+    if not rec or not rec.get("pid") or rec.get("stopped"):
+        yield {"event": "failed", "reason": "not started", "message": "no server was started (no pidfile in %s)"
+               % ctx.workdir, "log_tail": []}
+        return
+    pid, start, log_path = int(rec["pid"]), rec.get("pid_start"), rec.get("log") or ctx.path(SERVER_LOG)
+    host = _lc_probe_host(rec.get("argv"))
+    offset, partial, probe, last_yield = int(rec.get("log_offset") or 0), b"", None, time.monotonic()
+    t0 = time.monotonic()
+    last_detail, next_probe = "not probed yet", t0
+    journal(ctx, "ready.wait", pid=pid, timeout=ready_timeout)
+
+    def failed(reason, message, **extra):
+        tail = _lc_log_tail(log_path, 40, since=int(rec.get("log_offset") or 0))
+        journal(ctx, "ready.failed", pid=pid, reason=reason, message=message)
+        item = {"event": "failed", "reason": reason, "message": message, "log_tail": tail, "pid": pid,
+                "elapsed": round(time.monotonic() - t0, 3), "alive": _lc_same(pid, start)}
+        item.update(extra)
+        return item
+
+    while True:
+        lines, traceback = [], False
+        try:
+            with open(log_path, "rb") as f:
+                f.seek(offset)
+                chunk = f.read(1 << 20)
+        except OSError:
+            chunk = b""
+        if chunk:
+            offset += len(chunk)
+            data = partial + chunk
+            parts = data.split(b"\n")
+            partial = parts.pop()
+            lines = [p.decode("utf-8", "replace") for p in parts]
+            traceback = any(ln.startswith("Traceback (most recent call last)") for ln in lines)
+        if lines:
+            last_yield = time.monotonic()
+            yield {"event": "log", "lines": lines}
+        status = _lc_reap(pid)
+        if status is not None or not _lc_same(pid, start):
+            code = "" if status is None else " with code %d" % status
+            yield failed("crash", "the server (pid %d) exited%s during start" % (pid, code), exit_code=status)
+            return
+        if traceback:
+            # give the interpreter a moment to finish the traceback and exit, so the tail is whole
+            _lc_wait_until(lambda: not _lc_same(pid, start), 1.0, 0.05)
+            yield failed("traceback", "the server log shows a Traceback during start (pid %d)" % pid)
+            return
+        if probe is not None and not probe.is_alive():
+            result, probe = probe.result or {}, None
+            if result.get("ready"):
+                elapsed = round(time.monotonic() - t0, 3)
+                journal(ctx, "ready.ok", pid=pid, elapsed=elapsed)
+                yield {"event": "ready", "pid": pid, "elapsed": elapsed, "generate": result.get("generate")}
+                return
+            # probe often while a start is young (a fast server's readiness is seen at once), then back off
+            last_detail = result.get("detail") or "not ready"
+            next_probe = time.monotonic() + (0.1 if time.monotonic() - t0 < 10 else 1.0)
+        if probe is None and time.monotonic() >= next_probe:
+            probe = _LcProbe(host, ctx.port, generate)
+            probe.start()
+        elapsed = time.monotonic() - t0
+        if elapsed >= ready_timeout:
+            yield failed("timeout", "the server (pid %d) was not ready within %gs (last probe: %s)"
+                         % (pid, ready_timeout, last_detail))
+            return
+        if time.monotonic() - last_yield >= 5.0:
+            last_yield = time.monotonic()
+            yield {"event": "waiting", "elapsed": round(elapsed, 1), "detail": last_detail}
+        time.sleep(poll)
+
+
+# -- logs
+
+
+def follow_server_log(ctx, lines=20, max_seconds=None, poll=0.25):
+    """Yield {"lines": [...]} as the log grows (handles rotation), with a heartbeat so a gone client ends us."""
+    path = ctx.path(SERVER_LOG)
+    yield {"lines": _lc_log_tail(path, lines)}
+    try:
+        offset = os.path.getsize(path)
+    except OSError:
+        offset = 0
+    partial, t0, last = b"", time.monotonic(), time.monotonic()
+    while max_seconds is None or time.monotonic() - t0 < max_seconds:
+        try:
+            size = os.path.getsize(path)
+        except OSError:
+            size = 0
+        if size < offset:  # rotated or truncated
+            offset, partial = 0, b""
+        if size > offset:
+            with open(path, "rb") as f:
+                f.seek(offset)
+                chunk = f.read(1 << 20)
+            offset += len(chunk)
+            parts = (partial + chunk).split(b"\n")
+            partial = parts.pop()
+            if parts:
+                last = time.monotonic()
+                yield {"lines": [p.decode("utf-8", "replace") for p in parts]}
+        if time.monotonic() - last >= 2.0:
+            last = time.monotonic()
+            yield {"heartbeat": True}
+        time.sleep(poll)
+
+
+# -- verbs
+
+
+def _lc_no_extra(name, extra):
+    if extra:
+        raise AgentError("%s: unknown parameter(s) %s" % (name, ", ".join(sorted(extra))), "usage")
+
+
+@contextlib.contextmanager
+def _lc_hangup_shield():
+    """A dropped SSH channel must not interrupt a stop or start half way (SIGHUP ignored meanwhile)."""
+    old = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGHUP, old)
+
+
+@verb("server_find")
+def verb_server_find(ctx, **extra):
+    _lc_no_extra("server_find", extra)
+    return find_server(ctx)
+
+
+@verb("server_stop")
+def verb_server_stop(ctx, grace=60, port_timeout=30, gpu_timeout=60, **extra):
+    _lc_no_extra("server_stop", extra)
+    with host_lock(ctx, "stop"), _lc_hangup_shield():
+        return stop_server(ctx, float(grace), float(port_timeout), float(gpu_timeout))
+
+
+@verb("server_start")
+def verb_server_start(ctx, argv=None, env=None, release=None, **extra):
+    _lc_no_extra("server_start", extra)
+    with host_lock(ctx, "start"), _lc_hangup_shield():
+        return start_server(ctx, argv, env, release)
+
+
+def _lc_raise_failed(items):
+    """Stream items as the client expects them (ok: true each); a failure ends the stream as an error."""
+    for item in items:
+        if item.get("event") == "failed":
+            extra = {k: v for k, v in item.items() if k not in ("message", "event")}
+            raise AgentError(item["message"], "failed", **extra)
+        item.setdefault("ok", True)
+        yield item
+
+
+@verb("server_wait_ready", stream=True)
+def verb_server_wait_ready(ctx, ready_timeout=900, generate=True, **extra):
+    _lc_no_extra("server_wait_ready", extra)
+    return _lc_raise_failed(wait_ready(ctx, float(ready_timeout), bool(generate)))
+
+
+@verb("server_restart", stream=True)
+def verb_server_restart(ctx, argv=None, env=None, release=None, grace=60, ready_timeout=900, **extra):
+    """stop → start → wait_ready in one agent process, so a dropped connection cannot leave it between."""
+    _lc_no_extra("server_restart", extra)
+    with host_lock(ctx, "restart"):
+        with _lc_hangup_shield():
+            if argv is None:  # the last start, as recorded (the pidfile is 0600: env values may be secret)
+                rec = _lc_pidfile(ctx) or {}
+                argv, env = rec.get("argv"), rec.get("env") if env is None else env
+                if not argv:
+                    raise AgentError("restart: no argv given and no previous start recorded in %s" % ctx.workdir,
+                                     "usage")
+            stopped = stop_server(ctx, float(grace))
+            started = start_server(ctx, argv, env, release)
+        yield {"ok": True, "event": "stopped", "result": stopped}
+        yield {"ok": True, "event": "started", "result": started}
+        for item in _lc_raise_failed(wait_ready(ctx, float(ready_timeout))):
+            yield item
+
+
+@verb("server_logs")
+def verb_server_logs(ctx, lines=200, **extra):
+    _lc_no_extra("server_logs", extra)
+    path = ctx.path(SERVER_LOG)
+    return {"path": path, "exists": os.path.isfile(path), "lines": _lc_log_tail(path, int(lines))}
+
+
+@verb("server_logs_follow", stream=True)
+def verb_server_logs_follow(ctx, lines=20, max_seconds=None, **extra):
+    _lc_no_extra("server_logs_follow", extra)
+    return _lc_raise_failed(follow_server_log(ctx, int(lines), None if max_seconds is None else float(max_seconds)))
+
+
 # ---- main
 
 
@@ -404,4 +2278,6 @@ def main():
 
 
 if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--op":
+        sys.exit(run_operation(sys.argv[2]))
     sys.exit(main())

@@ -1,0 +1,85 @@
+"""Putting the server into a bench mode: a live threshold change where the patch allows it, else a redeploy."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from dynctl.agent import AgentClient, AgentError
+from dynctl.bench.plan import Mode
+from dynctl.errors import OperationFailed, PreflightError, UsageError
+
+
+class Redeployer(Protocol):
+    def redeploy(self, threshold: int) -> int:
+        """Restart the server with `threshold` in force; return the threshold read back from it."""
+        ...
+
+
+class NoRedeploy:
+    """Stands in until `dynctl deploy` (issue 5) can restart a server in another mode."""
+
+    def __init__(self, host: str) -> None:
+        self.host = host
+
+    def redeploy(self, threshold: int) -> int:
+        raise PreflightError(
+            f"{self.host}: the server's speculation threshold cannot change live (it is not patched, or its "
+            f"sglang version has no live switch), and switching by redeploy is not available yet; run "
+            f"`dynctl deploy --threshold N --host {self.host}` first, then bench again"
+        )
+
+
+class ModeSwitcher:
+    """Sets modes on one server and remembers what to restore."""
+
+    def __init__(self, agent: AgentClient, host: str, probe: dict[str, Any], redeployer: Redeployer) -> None:
+        self.agent = agent
+        self.host = host
+        self.probe = probe
+        self.redeployer = redeployer
+        self.original: int | None = probe.get("threshold")
+        self.changed = False
+
+    def check(self, modes: tuple[Mode, ...]) -> None:
+        """Refuse before measuring anything when a mode cannot be reached on this server."""
+        if all(m.threshold is None for m in modes):
+            return
+        if not self.probe.get("speculative_algorithm"):
+            raise PreflightError(
+                f"{self.host}: the server runs without speculative decoding (speculative_algorithm is not set), "
+                "so there is no speculation mode to compare; launch it with --speculative-algorithm"
+            )
+
+    def enter(self, mode: Mode) -> int | None:
+        if mode.threshold is None:
+            return self.probe.get("threshold")
+        if not self.probe.get("threshold_live"):
+            in_force = self.redeployer.redeploy(mode.threshold)
+        else:
+            in_force = self._set(mode.threshold)
+        self.changed = True
+        if in_force != mode.threshold:
+            raise OperationFailed(f"{self.host}: asked for threshold {mode.threshold}, the server has {in_force}")
+        return in_force
+
+    def restore(self) -> int | None:
+        """Put back the threshold found at the start; None when nothing had changed."""
+        if not self.changed or self.original is None:
+            return None
+        if self.probe.get("threshold_live"):
+            in_force = self._set(int(self.original))
+        else:
+            in_force = self.redeployer.redeploy(int(self.original))
+        self.changed = False
+        return in_force
+
+    def _set(self, threshold: int) -> int:
+        try:
+            answer = self.agent.call("bench_set_threshold", threshold=threshold)
+        except AgentError as err:
+            if err.kind == "preflight":
+                return self.redeployer.redeploy(threshold)
+            if err.kind == "usage":
+                raise UsageError(str(err)) from None
+            raise
+        return int(answer["threshold"])

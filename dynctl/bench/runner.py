@@ -1,0 +1,169 @@
+"""The bench run: probe the server, then for each mode and concurrency level one `bench_level` on the host."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from dynctl.agent import AgentClient, AgentError
+from dynctl.bench.events import (
+    BenchEvent,
+    BenchStarted,
+    BenchWarning,
+    LevelDone,
+    LevelProgress,
+    LevelStarted,
+    ModeStarted,
+    ThresholdRestored,
+)
+from dynctl.bench.modes import ModeSwitcher, NoRedeploy, Redeployer
+from dynctl.bench.plan import BenchPlan, Mode
+from dynctl.bench.recommend import recommend
+from dynctl.bench.stats import summarize_level
+from dynctl.errors import DynctlError, UnreachableError, UsageError
+
+LOADGEN_CPU_WARN = 80.0  # % of one core: above it the generator, not the server, may set the pace
+
+
+@dataclass
+class ModeRun:
+    mode: Mode
+    threshold_in_force: int | None
+    levels: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class BenchResult:
+    host: str
+    simulated: bool
+    plan: BenchPlan
+    started: str
+    probe: dict[str, Any] = field(default_factory=dict)
+    runs: list[ModeRun] = field(default_factory=list)
+    interrupted: bool = False
+    error: str | None = None
+    recommendation: dict[str, Any] | None = None
+
+    @property
+    def levels_measured(self) -> int:
+        return sum(len(r.levels) for r in self.runs)
+
+
+class BenchInterrupted(Exception):
+    """Ctrl-C during the run; `result` holds the levels measured before it."""
+
+    def __init__(self, result: BenchResult) -> None:
+        super().__init__("interrupted")
+        self.result = result
+
+
+def run_bench(agent: AgentClient, host: str, plan: BenchPlan, on_event: Callable[[BenchEvent], None],
+              *, simulated: bool = False, redeployer: Redeployer | None = None) -> BenchResult:
+    """Measure every mode × level of `plan`; the server's threshold is put back as found, even on Ctrl-C.
+
+    Errors keep what was measured in `err.bench_result`; Ctrl-C raises BenchInterrupted with it.
+    """
+    result = BenchResult(host=host, simulated=simulated, plan=plan,
+                         started=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
+    try:
+        _run(agent, host, plan, on_event, result, redeployer or NoRedeploy(host))
+    except KeyboardInterrupt:
+        result.interrupted = True
+        raise BenchInterrupted(result) from None
+    except DynctlError as err:
+        result.error = str(err)
+        err.bench_result = result  # type: ignore[attr-defined]
+        raise
+    return result
+
+
+def _run(agent: AgentClient, host: str, plan: BenchPlan, on_event: Callable[[BenchEvent], None],
+         result: BenchResult, redeployer: Redeployer) -> None:
+    probe = agent.call("bench_probe")
+    result.probe = probe
+    if not probe.get("reachable"):
+        raise UnreachableError(
+            f"{host}: the SGLang server at {probe.get('where')} is not answering ({probe.get('error')}); "
+            f"is it running? (`dynctl status --host {host}`)"
+        )
+    switcher = ModeSwitcher(agent, host, probe, redeployer)
+    switcher.check(plan.modes)
+    on_event(BenchStarted(host, probe.get("where", "?"), probe.get("model"), plan.concurrency, plan.modes,
+                          plan.budget))
+    if not probe.get("metrics"):
+        on_event(BenchWarning(f"{host}: no sglang metrics at /metrics (server started without --enable-metrics?): "
+                              "batch size and speculation share will be missing"))
+    total = len(plan.modes) * len(plan.concurrency)
+    index = 0
+    try:
+        for mode in plan.modes:
+            run = ModeRun(mode, switcher.enter(mode))
+            result.runs.append(run)
+            on_event(ModeStarted(mode, run.threshold_in_force))
+            for concurrency in plan.concurrency:
+                index += 1
+                on_event(LevelStarted(mode, concurrency, index, total))
+                level = _measure_level(agent, host, plan, mode, concurrency, on_event)
+                level["mode"] = mode.name
+                level["threshold"] = run.threshold_in_force
+                run.levels.append(level)
+                _warn_about(level, host, on_event)
+                on_event(LevelDone(mode, level))
+    finally:
+        restored = switcher.restore() if switcher.changed else None
+        if restored is not None:
+            on_event(ThresholdRestored(restored))
+    if plan.compare:
+        result.recommendation = recommend(result.runs)
+
+
+def _measure_level(agent: AgentClient, host: str, plan: BenchPlan, mode: Mode, concurrency: int,
+                   on_event: Callable[[BenchEvent], None]) -> dict[str, Any]:
+    params: dict[str, Any] = {
+        "concurrency": concurrency, "input_len": plan.input_len, "output_len": plan.output_len,
+        "warmup": plan.warmup_for(concurrency), "seed": plan.seed + concurrency,
+    }
+    if plan.duration is not None:
+        params["duration"] = plan.duration
+    else:
+        params["num_prompts"] = plan.num_prompts
+    raw: dict[str, Any] | None = None
+    try:
+        # closing(): on Ctrl-C the agent's level must stop now, not when the traceback is collected
+        with contextlib.closing(agent.stream("bench_level", **params)) as items:
+            for item in items:
+                if item.get("event") == "tick":
+                    on_event(LevelProgress(mode, concurrency, item.get("phase", "?"),
+                                           float(item.get("elapsed", 0)), item.get("window_elapsed"),
+                                           int(item.get("completed", 0)), int(item.get("failed", 0)),
+                                           item.get("running")))
+                elif item.get("event") == "level":
+                    raw = item
+    except AgentError as err:
+        if err.kind == "unreachable":
+            raise UnreachableError(f"{host}: {err}") from None
+        if err.kind == "usage":
+            raise UsageError(str(err)) from None
+        raise
+    if raw is None:
+        raise DynctlError(f"{host}: the load generator ended without a result for concurrency {concurrency}")
+    return summarize_level(raw, input_len=plan.input_len, duration_mode=plan.duration is not None,
+                           goodput=plan.goodput or None)
+
+
+def _warn_about(level: dict[str, Any], host: str, on_event: Callable[[BenchEvent], None]) -> None:
+    c = level["max_concurrency"]
+    cpu = (level.get("loadgen") or {}).get("cpu_percent")
+    if cpu is not None and cpu > LOADGEN_CPU_WARN:
+        on_event(BenchWarning(f"concurrency {c}: the load generator used {cpu:.0f}% of a CPU core on {host}; "
+                              "the client may have limited this level"))
+    if level.get("timed_out"):
+        on_event(BenchWarning(f"concurrency {c}: the level hit its time cap before finishing"))
+    if level["failed"]:
+        top = max(level["errors"].items(), key=lambda kv: kv[1])[0] if level["errors"] else "?"
+        on_event(BenchWarning(f"concurrency {c}: {level['failed']} request(s) failed (most often: {top})"))
+    if level["completed"] == 0:
+        on_event(BenchWarning(f"concurrency {c}: no request completed inside the window; lengthen --duration"))

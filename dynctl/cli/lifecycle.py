@@ -1,0 +1,151 @@
+"""`dynctl stop|start|restart|logs`: the server lifecycle of SPEC §5 on its own."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import typer
+from rich.markup import escape
+
+from dynctl import events, lifecycle
+from dynctl.cli.common import ConfigOpt, HostOpt, JsonOpt, YesOpt, confirm, console, handle_errors, open_host
+
+GraceOpt = typer.Option(60.0, "--grace", min=0, help="Seconds the server may drain after SIGTERM before SIGKILL.")
+ReadyTimeoutOpt = typer.Option(900.0, "--ready-timeout", min=1,
+                               help="Seconds to wait for /health_generate and one real /generate.")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("stop")(stop)
+    app.command("start")(start)
+    app.command("restart")(restart)
+    app.command("logs")(logs)
+
+
+class EventPrinter:
+    """Renders lifecycle events: one line per step with its elapsed time, log lines dimmed."""
+
+    def __init__(self, quiet: bool = False) -> None:
+        self.quiet = quiet
+
+    def __call__(self, event: events.Event) -> None:
+        if isinstance(event, events.StepStarted):
+            if not self.quiet:
+                console.print(f"[bold cyan]→[/] {event.step:<6} [dim]{escape(event.detail)}[/]", soft_wrap=True)
+        elif isinstance(event, events.StepDone):
+            if not self.quiet:
+                console.print(f"[green]✓[/] {event.step:<6} {event.elapsed:6.2f} s  {escape(event.detail)}",
+                              soft_wrap=True)
+        elif isinstance(event, events.LogLine):
+            if not self.quiet:
+                console.print(f"  [dim]│ {escape(event.text)}[/]", soft_wrap=True)
+        elif isinstance(event, events.Warning):
+            console.print(f"[yellow]![/] {escape(event.text)}", soft_wrap=True)
+        elif isinstance(event, events.Failed):
+            for line in event.log_tail:
+                console.print(f"  [red]│[/] {escape(line)}", soft_wrap=True)
+            console.print(f"[bold red]✗[/] {event.step:<6} {escape(event.message)}", soft_wrap=True)
+
+
+def _describe(state: lifecycle.ServerState) -> str:
+    if state.pid is None:
+        return "down"
+    up = f", up {state.uptime_s:.0f} s" if state.uptime_s is not None else ""
+    return f"{state.state}, pid {state.pid} (found by {state.source}{up})"
+
+
+def _print_json(obj: Any) -> None:
+    console.print_json(json.dumps(obj, default=str))
+
+
+@handle_errors
+def stop(
+    host: str = HostOpt,
+    config: str = ConfigOpt,
+    grace: float = GraceOpt,
+    yes: bool = YesOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Stop the server: SIGTERM, drain, SIGKILL after --grace, sweep its processes, wait for port and GPU."""
+    session = open_host(host, config)
+    state = lifecycle.find_server(session.agent)
+    if state.pid is None and not state.leftovers:
+        note = f"; port {state.port} is held by pid {state.port_owner['pid']}, which dynctl does not manage" \
+            if state.port_owner else ""
+        if as_json:
+            _print_json({"stopped": False, "message": "server already stopped" + note})
+        else:
+            console.print(f"server on {session.host.name} is already stopped{note}")
+        return
+    what = f"pid {state.pid}" if state.pid else f"{len(state.leftovers)} leftover process(es) of the old server"
+    confirm(f"Stop the server on {session.host.name} ({what})?", yes)
+    result = lifecycle.stop_server(session.agent, grace, on_event=EventPrinter(quiet=as_json))
+    if as_json:
+        _print_json(result)
+
+
+@handle_errors
+def start(
+    host: str = HostOpt,
+    config: str = ConfigOpt,
+    ready_timeout: float = ReadyTimeoutOpt,
+    yes: bool = YesOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Start the server detached with the configured launch argv, then wait until it serves."""
+    session = open_host(host, config)
+    argv = lifecycle.server_argv(session.host)
+    state = lifecycle.find_server(session.agent)
+    if state.pid is not None:
+        console.print(f"server on {session.host.name} is already running: {_describe(state)}")
+        return
+    confirm(f"Start the server on {session.host.name}: {' '.join(argv)}?", yes)
+    printer = EventPrinter(quiet=as_json)
+    started = lifecycle.start_server(session.agent, argv, on_event=printer)
+    ready = lifecycle.wait_ready(session.agent, ready_timeout, on_event=printer)
+    if as_json:
+        _print_json({"started": started, "ready": ready})
+
+
+@handle_errors
+def restart(
+    host: str = HostOpt,
+    config: str = ConfigOpt,
+    grace: float = GraceOpt,
+    ready_timeout: float = ReadyTimeoutOpt,
+    yes: bool = YesOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Stop and start again with the same arguments, in one step on the host."""
+    session = open_host(host, config)
+    state = lifecycle.find_server(session.agent)
+    # A server dynctl started restarts exactly as recorded (a deployed threshold included); any other
+    # server comes back with the configured launch argv.
+    argv = None if state.source == "pidfile" else lifecycle.server_argv(session.host)
+    shown = " ".join(state.argv) if argv is None else " ".join(argv)
+    confirm(f"Restart the server on {session.host.name} ({_describe(state)}) as: {shown}?", yes)
+    ready = lifecycle.restart_server(session.agent, argv, grace=grace, ready_timeout=ready_timeout,
+                                     on_event=EventPrinter(quiet=as_json))
+    if as_json:
+        _print_json(ready)
+
+
+@handle_errors
+def logs(
+    host: str = HostOpt,
+    config: str = ConfigOpt,
+    follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing new lines (Ctrl-C ends)."),
+    lines: int = typer.Option(100, "--lines", "-n", min=0, help="How many of the last lines to show."),
+) -> None:
+    """The server log in the host's workdir."""
+    session = open_host(host, config)
+    if not follow:
+        for line in lifecycle.read_log(session.agent, lines):
+            console.out(line, highlight=False)
+        return
+    try:
+        for line in lifecycle.follow_log(session.agent, lines):
+            console.out(line, highlight=False)
+    except KeyboardInterrupt:
+        pass

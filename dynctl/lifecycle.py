@@ -1,0 +1,231 @@
+"""The server's lifecycle on a host (SPEC §5): find, stop, start, wait until ready, logs. UI-free.
+
+Each function calls one agent verb (the work happens on the host) and reports progress as
+`dynctl.events` to an `on_event` sink; the CLI prints them, the TUI shows them in a panel.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from dynctl import events
+from dynctl.agent import AgentClient, AgentError
+from dynctl.config import HostConfig
+from dynctl.errors import ConfigError, OperationFailed
+from dynctl.events import EventSink
+
+# dynctl adds these itself (SPEC §3); a config that sets them would fight with it.
+_OWN_FLAGS = ("--port", "--enable-metrics")
+# Slack on top of the verb's own deadlines for the transport's timeout.
+_SLACK_S = 60.0
+_STOP_PORT_TIMEOUT_S = 30.0
+_STOP_GPU_TIMEOUT_S = 60.0
+
+
+class ServerStartFailed(OperationFailed):
+    """The server did not become ready: it crashed, logged a Traceback, or timed out."""
+
+    def __init__(self, message: str, reason: str, log_tail: Sequence[str], pid: int | None) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.log_tail = tuple(log_tail)
+        self.pid = pid
+
+
+@dataclass(frozen=True)
+class ServerState:
+    """What `server_find` saw: state is down / starting / ready / draining."""
+
+    state: str
+    port: int
+    pid: int | None = None
+    source: str | None = None  # pidfile / port / cmdline
+    argv: tuple[str, ...] = ()
+    uptime_s: float | None = None
+    started: str | None = None
+    release: str | None = None
+    health: int | None = None
+    pidfile: str = "absent"
+    log: str | None = None
+    port_owner: dict[str, Any] | None = None  # a listener on the port that dynctl does not manage
+    leftovers: tuple[dict[str, Any], ...] = field(default=())  # live processes of a previous server
+
+    @classmethod
+    def from_agent(cls, raw: dict[str, Any]) -> ServerState:
+        return cls(
+            state=raw["state"], port=raw["port"], pid=raw.get("pid"), source=raw.get("source"),
+            argv=tuple(raw.get("argv") or ()), uptime_s=raw.get("uptime_s"), started=raw.get("started"),
+            release=raw.get("release"), health=raw.get("health"), pidfile=raw.get("pidfile") or "absent",
+            log=raw.get("log"), port_owner=raw.get("port_owner"), leftovers=tuple(raw.get("leftovers") or ()),
+        )
+
+    @property
+    def running(self) -> bool:
+        return self.pid is not None
+
+
+def server_argv(host: HostConfig, extra: Sequence[str] = ()) -> list[str]:
+    """The launch argv: configured launch + args + `extra` + the flags dynctl owns (--port, --enable-metrics)."""
+    for flag in _OWN_FLAGS:
+        if any(a == flag or a.startswith(flag + "=") for a in host.args):
+            raise ConfigError(f"hosts.{host.name}.args: remove {flag}; dynctl adds it itself (SPEC §3)")
+    return [*host.launch_argv(), *host.args, *extra, "--port", str(host.port), "--enable-metrics"]
+
+
+@contextlib.contextmanager
+def _patience(agent: AgentClient, seconds: float) -> Iterator[None]:
+    """Let one long verb (a drain, a model load) outlast the client's default timeout."""
+    old = agent.timeout
+    agent.timeout = max(old, seconds)
+    try:
+        yield
+    finally:
+        agent.timeout = old
+
+
+def find_server(agent: AgentClient) -> ServerState:
+    return ServerState.from_agent(agent.call("server_find"))
+
+
+def stop_server(agent: AgentClient, grace: float = 60.0, on_event: EventSink = events.ignore) -> dict[str, Any]:
+    """SIGTERM, drain up to `grace`, SIGKILL, sweep the server's tree, wait for port and GPU to be free."""
+    if grace < 0:
+        raise ValueError("grace must be >= 0")
+    on_event(events.StepStarted("stop", f"SIGTERM, drain up to {grace:g} s"))
+    t0 = time.monotonic()
+    with _patience(agent, grace + _STOP_PORT_TIMEOUT_S + _STOP_GPU_TIMEOUT_S + _SLACK_S):
+        try:
+            result = agent.call("server_stop", grace=grace, port_timeout=_STOP_PORT_TIMEOUT_S,
+                                gpu_timeout=_STOP_GPU_TIMEOUT_S)
+        except AgentError as err:
+            on_event(events.Failed("stop", str(err)))
+            raise
+    report_stop(result, time.monotonic() - t0, on_event)
+    return result
+
+
+def report_stop(result: dict[str, Any], elapsed: float, on_event: EventSink) -> None:
+    """Turn a `server_stop` result into events (shared with restart)."""
+    if not result.get("stopped"):
+        on_event(events.StepDone("stop", elapsed, result.get("message", "already stopped")))
+        return
+    t = result.get("timings", {})
+    if result.get("escalated"):
+        on_event(events.Warning(f"pid {result['pid']} did not exit within {result['grace_s']:g} s: sent SIGKILL"))
+    for proc in result.get("swept", []):
+        cmd = " ".join(proc.get("cmdline") or [])[:100]
+        on_event(events.Warning(f"swept leftover pid {proc['pid']} of the old server: {cmd}"))
+    for text in result.get("warnings", []):
+        on_event(events.Warning(text))
+    parts = []
+    if "sigterm_to_exit_s" in t:
+        parts.append(f"pid {result['pid']} exited after {t['sigterm_to_exit_s']:.2f} s")
+    parts.append(f"port free {t.get('exit_to_port_free_s', 0):.2f} s later")
+    gpu = result.get("gpu") or {}
+    if gpu.get("checked"):
+        parts.append(f"GPU memory released {gpu['released_after_exit_s']:.2f} s after exit")
+    on_event(events.StepDone("stop", elapsed, ", ".join(parts)))
+
+
+def start_server(agent: AgentClient, argv: Sequence[str], env: dict[str, str] | None = None,
+                 release: str | None = None, on_event: EventSink = events.ignore) -> dict[str, Any]:
+    """Start argv detached on the host (own session, log and pidfile in workdir); returns at once."""
+    on_event(events.StepStarted("start", " ".join(argv)))
+    t0 = time.monotonic()
+    try:
+        result = agent.call("server_start", argv=list(argv), env=dict(env or {}), release=release)
+    except AgentError as err:
+        on_event(events.Failed("start", str(err)))
+        raise
+    if result.get("already_running"):
+        on_event(events.StepDone("start", time.monotonic() - t0, f"already running as pid {result['pid']}"))
+    else:
+        on_event(events.StepDone("start", time.monotonic() - t0, f"pid {result['pid']}, log {result['log']}"))
+    return result
+
+
+def wait_ready(agent: AgentClient, ready_timeout: float = 900.0,
+               on_event: EventSink = events.ignore) -> dict[str, Any]:
+    """Stream the log until /health_generate is 200 and one /generate returns tokens; raise on crash/timeout."""
+    on_event(events.StepStarted("ready", f"/health_generate and one /generate, up to {ready_timeout:g} s"))
+    t0 = time.monotonic()
+    try:
+        for item in agent.stream("server_wait_ready", ready_timeout=ready_timeout):
+            done = _relay_ready_item(item, on_event)
+            if done is not None:
+                on_event(events.StepDone("ready", time.monotonic() - t0, _ready_detail(done)))
+                return done
+    except AgentError as err:
+        raise _start_failed(err, on_event) from None
+    raise OperationFailed("the readiness stream ended without an answer")
+
+
+def restart_server(agent: AgentClient, argv: Sequence[str] | None = None, env: dict[str, str] | None = None,
+                   grace: float = 60.0, ready_timeout: float = 900.0,
+                   on_event: EventSink = events.ignore) -> dict[str, Any]:
+    """stop → start → wait in ONE agent process on the host; argv None reuses the last recorded start."""
+    on_event(events.StepStarted("stop", f"SIGTERM, drain up to {grace:g} s"))
+    t0 = time.monotonic()
+    params: dict[str, Any] = {"grace": grace, "ready_timeout": ready_timeout}
+    if argv is not None:
+        params.update(argv=list(argv), env=dict(env or {}))
+    try:
+        for item in agent.stream("server_restart", **params):
+            kind = item.get("event")
+            if kind == "stopped":
+                report_stop(item["result"], time.monotonic() - t0, on_event)
+                t0 = time.monotonic()
+                on_event(events.StepStarted("start", "as recorded" if argv is None else " ".join(argv)))
+            elif kind == "started":
+                started = item["result"]
+                on_event(events.StepDone("start", time.monotonic() - t0,
+                                         f"pid {started['pid']}: {' '.join(started.get('argv') or [])}"))
+                t0 = time.monotonic()
+                on_event(events.StepStarted("ready", f"up to {ready_timeout:g} s"))
+            else:
+                done = _relay_ready_item(item, on_event)
+                if done is not None:
+                    on_event(events.StepDone("ready", time.monotonic() - t0, _ready_detail(done)))
+                    return done
+    except AgentError as err:
+        if err.answer.get("reason"):
+            raise _start_failed(err, on_event) from None
+        on_event(events.Failed("restart", str(err)))
+        raise
+    raise OperationFailed("the restart stream ended without an answer")
+
+
+def _relay_ready_item(item: dict[str, Any], on_event: EventSink) -> dict[str, Any] | None:
+    kind = item.get("event")
+    if kind == "log":
+        for line in item.get("lines", []):
+            on_event(events.LogLine(line))
+    elif kind == "ready":
+        return item
+    return None
+
+
+def _ready_detail(item: dict[str, Any]) -> str:
+    gen = item.get("generate") or {}
+    return f"pid {item['pid']} ready; /generate returned {gen.get('tokens', '?')} tokens"
+
+
+def _start_failed(err: AgentError, on_event: EventSink) -> ServerStartFailed:
+    answer = err.answer
+    tail = answer.get("log_tail") or []
+    on_event(events.Failed("ready", str(err), tuple(tail)))
+    return ServerStartFailed(str(err), answer.get("reason") or "failed", tail, answer.get("pid"))
+
+
+def read_log(agent: AgentClient, lines: int = 100) -> list[str]:
+    return list(agent.call("server_logs", lines=lines)["lines"])
+
+
+def follow_log(agent: AgentClient, lines: int = 20, max_seconds: float | None = None) -> Iterator[str]:
+    """The log's last lines, then new ones as they come (until the caller stops iterating)."""
+    for item in agent.stream("server_logs_follow", lines=lines, max_seconds=max_seconds):
+        yield from item.get("lines", [])

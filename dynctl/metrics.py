@@ -1,0 +1,344 @@
+"""Parsers for what an SGLang host tells us: Prometheus text, the scheduler's log lines, nvidia-smi CSV.
+
+UI-free and I/O-free: `dynctl status`, the TUI feed and bench all read the same values the same way.
+"""
+
+from __future__ import annotations
+
+import calendar
+import csv
+import re
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
+
+
+class MetricsFormatError(ValueError):
+    """Text that is not what the named source emits; the message says where."""
+
+
+# --------------------------------------------------------------------------- Prometheus
+
+# Label names that tell scheduler replicas apart. sglang 0.5.9 emits scheduler metrics only from
+# attn_tp_rank 0 (scheduler_metrics_mixin.py:100-102) unless enable_metrics_for_all_schedulers is
+# set, in which case every TP rank repeats the same batch: keep the lowest rank of each, never sum them.
+_RANK_LABELS = ("tp_rank", "pp_rank", "moe_ep_rank")
+
+
+def parse_prometheus(text: str) -> dict[str, list[Sample]]:
+    """Samples by sample name (`sglang:num_running_reqs`, `sglang:realtime_tokens_total`, ...)."""
+    out: dict[str, list[Sample]] = {}
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                out.setdefault(sample.name, []).append(sample)
+    except ValueError as err:
+        raise MetricsFormatError(f"/metrics: not Prometheus text format ({err})") from None
+    return out
+
+
+def _rank(sample: Sample, label: str) -> int:
+    try:
+        return int(sample.labels.get(label, 0))
+    except ValueError:
+        return 0
+
+
+def pick_samples(samples: Iterable[Sample], **match: str) -> list[Sample]:
+    """Samples whose labels match `match`, one per data-parallel rank: the lowest TP/PP/EP rank of each."""
+    chosen = [s for s in samples if all(s.labels.get(k) == v for k, v in match.items())]
+    for label in _RANK_LABELS:
+        by_dp: dict[str | None, int] = {}
+        for s in chosen:
+            dp = s.labels.get("dp_rank")
+            by_dp[dp] = min(by_dp.get(dp, _rank(s, label)), _rank(s, label))
+        chosen = [s for s in chosen if _rank(s, label) == by_dp[s.labels.get("dp_rank")]]
+    return chosen
+
+
+def combine(samples: Sequence[Sample], how: str) -> float | None:
+    """Across DP ranks: `sum` for counts (requests, tokens, tok/s), `mean` for ratios, `max` for flags."""
+    if not samples:
+        return None
+    values = [s.value for s in samples]
+    if how == "sum":
+        return float(sum(values))
+    if how == "mean":
+        return float(sum(values) / len(values))
+    if how == "max":
+        return float(max(values))
+    raise ValueError(f"unknown combine mode {how!r}")
+
+
+@dataclass(frozen=True)
+class ServerMetrics:
+    """The values dynctl shows, read from one /metrics scrape; None where the server did not say."""
+
+    running_reqs: int | None = None
+    queue_reqs: int | None = None
+    used_tokens: int | None = None
+    token_usage: float | None = None  # KV cache, 0..1
+    max_total_tokens: int | None = None
+    gen_throughput: float | None = None  # tok/s over the last decode log interval
+    accept_length: float | None = None
+    accept_rate: float | None = None
+    spec_enabled: bool | None = None  # the patch's gauge (SPEC §4)
+    spec_threshold: int | None = None  # the patch's gauge
+    spec_disabled_steps: float | None = None  # the patch's counter
+    spec_num_steps: float | None = None  # native adaptive speculation (sglang >= 0.5.14): 0 = off
+    generation_tokens: float | None = None  # counter
+    decode_tokens: float | None = None  # counter realtime_tokens_total{mode="decode"}
+
+
+# (field, sample name, combine, label match); counters are named with their `_total` sample.
+_FIELDS: tuple[tuple[str, str, str, dict[str, str]], ...] = (
+    ("running_reqs", "sglang:num_running_reqs", "sum", {}),
+    ("queue_reqs", "sglang:num_queue_reqs", "sum", {}),
+    ("used_tokens", "sglang:num_used_tokens", "sum", {}),
+    ("token_usage", "sglang:token_usage", "mean", {}),
+    ("max_total_tokens", "sglang:max_total_num_tokens", "sum", {}),
+    ("gen_throughput", "sglang:gen_throughput", "sum", {}),
+    ("accept_length", "sglang:spec_accept_length", "mean", {}),
+    ("accept_rate", "sglang:spec_accept_rate", "mean", {}),
+    ("spec_enabled", "sglang:spec_enabled", "max", {}),
+    ("spec_threshold", "sglang:spec_disable_threshold", "max", {}),
+    ("spec_disabled_steps", "sglang:spec_disabled_steps_total", "sum", {}),
+    ("spec_num_steps", "sglang:spec_num_steps", "mean", {}),
+    ("generation_tokens", "sglang:generation_tokens_total", "sum", {}),
+    ("decode_tokens", "sglang:realtime_tokens_total", "sum", {"mode": "decode"}),
+)
+_INT_FIELDS = {"running_reqs", "queue_reqs", "used_tokens", "max_total_tokens", "spec_threshold"}
+
+
+def read_server_metrics(text: str) -> ServerMetrics:
+    """ServerMetrics from the Prometheus text of sglang's /metrics."""
+    by_name = parse_prometheus(text)
+    values: dict[str, Any] = {}
+    for field, name, how, match in _FIELDS:
+        value = combine(pick_samples(by_name.get(name, ()), **match), how)
+        if value is None or value != value:  # NaN: prometheus_client's "no value yet"
+            continue
+        if field in _INT_FIELDS:
+            values[field] = int(round(value))
+        elif field == "spec_enabled":
+            values[field] = value >= 0.5
+        else:
+            values[field] = value
+    return ServerMetrics(**values)
+
+
+# --------------------------------------------------------------------------- sglang log lines
+
+# The prefix sglang's logger puts on every line: `[%(asctime)s{.msecs}{ DPi}{ TPj}...] ` with
+# datefmt "%Y-%m-%d %H:%M:%S" (sglang 0.5.9 utils/common.py:1216-1232 configure_logger; rank
+# parts from managers/scheduler.py:3081-3096). sglang's own parser (0.5.14
+# debug_utils/log_parser.py `_PATTERN_DECODE`) reads the same prefix.
+_PREFIX = re.compile(
+    r"^(?:\(\w+ pid=\d+(?:,\s*ip=[\d.]+)?\)\s*)?"
+    r"\[(?P<time>\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2})(?:\.(?P<ms>\d{3}))?(?P<ranks>(?:\s+[A-Z_]+\d+)*)\]\s?"
+)
+_RANK = re.compile(r"([A-Z_]+?)(\d+)")
+
+# "Decode batch[ [iter]], #running-req: 64, #token: 81234, token usage: 0.12, accept len: 2.71, ..."
+# built in sglang 0.5.9 managers/scheduler_metrics_mixin.py:304-415 (log_decode_stats); the
+# fields in the middle vary (hybrid SWA/mamba, PD decode), so read it as `key: value` pairs.
+_DECODE = re.compile(r"Decode batch(?: \[(?P<iter>\d+)\])?, (?P<body>.*)$")
+_PAIR = re.compile(r"(?:^|, )(?P<key>[^:,]+): (?P<value>[^,]*)")
+
+# The threshold patch's transition line (SPEC §4): "Speculation disabled: batch size 7 > threshold 5"
+# / "Speculation enabled: batch size 5 <= threshold 5".
+_TRANSITION = re.compile(
+    r"Speculation (?P<state>enabled|disabled): batch size (?P<batch>\d+) (?P<op>>|<=) threshold (?P<threshold>-?\d+)"
+)
+
+
+@dataclass(frozen=True)
+class LogPrefix:
+    time: float | None  # epoch seconds, None when the line carries no sglang prefix
+    ranks: dict[str, int]
+    message: str
+
+
+def parse_log_time(stamp: str, utc_offset: float | None = None) -> float:
+    """Epoch seconds of an sglang log stamp `YYYY-mm-dd HH:MM:SS[.mmm]`, written in a zone `utc_offset` s east of UTC.
+
+    Without an offset the stamp is read in this machine's zone. The host agent reports its offset,
+    since a remote host's zone need not be ours.
+    """
+    whole, _, frac = stamp.partition(".")
+    parts = time.strptime(whole, "%Y-%m-%d %H:%M:%S")
+    if utc_offset is None:
+        base = time.mktime(parts)
+    else:
+        base = calendar.timegm(parts) - utc_offset
+    return base + (int(frac) / 1000.0 if frac else 0.0)
+
+
+def split_log_prefix(line: str, utc_offset: float | None = None) -> LogPrefix:
+    m = _PREFIX.match(line)
+    if not m:
+        return LogPrefix(None, {}, line.rstrip("\n"))
+    stamp = m.group("time") + (f".{m.group('ms')}" if m.group("ms") else "")
+    ranks = {name: int(num) for name, num in _RANK.findall(m.group("ranks") or "")}
+    return LogPrefix(parse_log_time(stamp, utc_offset), ranks, line[m.end():].rstrip("\n"))
+
+
+@dataclass(frozen=True)
+class DecodeLine:
+    time: float | None
+    tp_rank: int | None
+    dp_rank: int | None
+    running_reqs: int | None
+    tokens: int | None
+    token_usage: float | None
+    accept_length: float | None
+    accept_rate: float | None
+    cuda_graph: bool | None
+    gen_throughput: float | None
+    queue_reqs: int | None
+    fields: dict[str, str]
+
+
+def _num(value: str | None, kind: type) -> Any:
+    if value is None:
+        return None
+    try:
+        return kind(value.strip())
+    except ValueError:
+        return None
+
+
+def parse_decode_line(line: str, utc_offset: float | None = None) -> DecodeLine | None:
+    """The scheduler's periodic "Decode batch" line, or None for any other line."""
+    prefix = split_log_prefix(line, utc_offset)
+    m = _DECODE.search(prefix.message)
+    if not m:
+        return None
+    fields = {p.group("key").strip(): p.group("value").strip() for p in _PAIR.finditer(m.group("body"))}
+    graph = next((v for k, v in fields.items() if k.endswith(" graph")), None)
+    # hybrid SWA/mamba models report "full token usage" instead of "token usage"
+    usage = fields.get("token usage", fields.get("full token usage"))
+    return DecodeLine(
+        time=prefix.time,
+        tp_rank=prefix.ranks.get("TP"),
+        dp_rank=prefix.ranks.get("DP"),
+        running_reqs=_num(fields.get("#running-req"), int),
+        tokens=_num(fields.get("#token", fields.get("#full token")), int),
+        token_usage=_num(usage, float),
+        accept_length=_num(fields.get("accept len"), float),
+        accept_rate=_num(fields.get("accept rate"), float),
+        cuda_graph=None if graph is None else graph == "True",
+        gen_throughput=_num(fields.get("gen throughput (token/s)"), float),
+        queue_reqs=_num(fields.get("#queue-req"), int),
+        fields=fields,
+    )
+
+
+@dataclass(frozen=True)
+class Transition:
+    time: float | None
+    enabled: bool
+    batch_size: int
+    threshold: int
+
+
+def parse_transition_line(line: str, utc_offset: float | None = None) -> Transition | None:
+    """The patch's "Speculation enabled/disabled: batch size B <op> threshold N" line, or None."""
+    prefix = split_log_prefix(line, utc_offset)
+    m = _TRANSITION.search(prefix.message)
+    if not m:
+        return None
+    return Transition(prefix.time, m.group("state") == "enabled", int(m.group("batch")), int(m.group("threshold")))
+
+
+# --------------------------------------------------------------------------- nvidia-smi
+
+GPU_QUERY = ("index", "uuid", "name", "utilization.gpu", "memory.used", "memory.total")
+APPS_QUERY = ("gpu_uuid", "pid", "process_name", "used_memory")
+
+
+def nvidia_smi_gpu_argv(loop_ms: int | None = None) -> list[str]:
+    argv = ["nvidia-smi", "--query-gpu=" + ",".join(GPU_QUERY), "--format=csv,noheader,nounits"]
+    return argv + (["-lms", str(loop_ms)] if loop_ms else [])
+
+
+def nvidia_smi_apps_argv() -> list[str]:
+    return ["nvidia-smi", "--query-compute-apps=" + ",".join(APPS_QUERY), "--format=csv,noheader,nounits"]
+
+
+# What nvidia-smi prints in place of a value it cannot give (driver-dependent spellings).
+_NOT_A_VALUE = {"[n/a]", "n/a", "[not supported]", "not supported", "[unknown error]", "[insufficient permissions]",
+                "[gpu is lost]", "[gpu requires reset]", ""}
+
+
+@dataclass(frozen=True)
+class GpuStat:
+    index: int
+    uuid: str | None
+    name: str | None
+    util_pct: float | None
+    mem_used_mib: float | None
+    mem_total_mib: float | None
+
+
+@dataclass(frozen=True)
+class GpuProcess:
+    gpu_uuid: str | None
+    pid: int
+    process_name: str | None
+    used_mib: float | None
+
+
+def _value(raw: str) -> str | None:
+    raw = raw.strip()
+    return None if raw.lower() in _NOT_A_VALUE else raw
+
+
+def parse_nvidia_smi_csv(text: str, fields: Sequence[str]) -> list[dict[str, str | None]]:
+    """Rows of `--format=csv,noheader,nounits` output as dicts; unavailable values are None.
+
+    Process names may contain commas, which nvidia-smi does not quote: the surplus columns are
+    folded back into `process_name`.
+    """
+    rows = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        cols = next(csv.reader([line], skipinitialspace=True))
+        if len(cols) > len(fields) and "process_name" in fields:
+            at = list(fields).index("process_name")
+            extra = len(cols) - len(fields)
+            cols = cols[:at] + [", ".join(cols[at:at + extra + 1])] + cols[at + extra + 1:]
+        if len(cols) != len(fields):
+            raise MetricsFormatError(
+                f"nvidia-smi line {lineno}: expected {len(fields)} columns ({','.join(fields)}), got {len(cols)}: {line!r}"
+            )
+        rows.append({f: _value(c) for f, c in zip(fields, cols)})
+    return rows
+
+
+def parse_gpu_csv(text: str) -> list[GpuStat]:
+    """`nvidia-smi --query-gpu=index,uuid,name,utilization.gpu,memory.used,memory.total` rows."""
+    gpus = []
+    for row in parse_nvidia_smi_csv(text, GPU_QUERY):
+        index = _num(row["index"], int)
+        if index is None:
+            raise MetricsFormatError(f"nvidia-smi: GPU row without an index: {row}")
+        gpus.append(GpuStat(index, row["uuid"], row["name"], _num(row["utilization.gpu"], float),
+                            _num(row["memory.used"], float), _num(row["memory.total"], float)))
+    return sorted(gpus, key=lambda g: g.index)
+
+
+def parse_compute_apps_csv(text: str) -> list[GpuProcess]:
+    """`nvidia-smi --query-compute-apps=gpu_uuid,pid,process_name,used_memory` rows (pid may be a host pid in a container)."""
+    procs = []
+    for row in parse_nvidia_smi_csv(text, APPS_QUERY):
+        pid = _num(row["pid"], int)
+        if pid is None:
+            continue
+        procs.append(GpuProcess(row["gpu_uuid"], pid, row["process_name"], _num(row["used_memory"], float)))
+    return procs

@@ -1,0 +1,54 @@
+"""Start a host-side operation and follow its events, surviving a dropped connection (UI-free)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from dynctl.agent import AgentClient
+from dynctl.errors import DynctlError, UnreachableError
+
+Event = dict[str, Any]
+
+
+def start(agent: AgentClient, kind: str, params: dict[str, Any]) -> str:
+    return agent.call("op_start", kind=kind, params=params)["op_id"]
+
+
+def follow(agent: AgentClient, op_id: str | None = None, reconnect_for: float = 60.0,
+           sleep: Callable[[float], None] = time.sleep) -> Iterator[Event]:
+    """Yield an operation's events until its final one; on a dropped connection, reconnect and resume.
+
+    The operation itself runs detached on the host, so losing the connection loses only the view.
+    """
+    seen = 0
+    deadline: float | None = None
+    while True:
+        try:
+            for event in agent.stream("op_follow", op_id=op_id, from_line=seen):
+                deadline = None
+                seen = event.get("seq", seen + 1)
+                op_id = event.get("op_id", op_id)
+                yield event
+                if event.get("final"):
+                    return
+        except UnreachableError:
+            if deadline is None:
+                deadline = time.monotonic() + reconnect_for
+            if time.monotonic() > deadline:
+                raise
+            yield {"type": "warning", "text": "connection lost; reconnecting to follow the operation"}
+            sleep(1.0)
+            continue
+        except DynctlError:
+            raise
+        if op_id is None:
+            return
+
+
+def final_of(events: list[Event]) -> Event:
+    for event in reversed(events):
+        if event.get("final"):
+            return event
+    return {"ok": False, "error": "operation ended without a final event"}

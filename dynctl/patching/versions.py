@@ -1,0 +1,78 @@
+"""Which sglang releases get which strategy, and what a valid threshold is."""
+
+from __future__ import annotations
+
+import re
+
+from dynctl.errors import PreflightError, UsageError
+
+SUPPORTED = "patch for sglang 0.5.6–0.5.12, native adaptive config for sglang ≥ 0.5.14"
+MAX_THRESHOLD = 1_000_000
+
+_RELEASE = re.compile(r"^(\d+)\.(\d+)\.(\d+)(?:\.post\d+)?$")
+
+# Releases whose eagle_worker_v2 needs its own small compat methods (see patches/README.md).
+_VARIANTS = {6: "0.5.6", 7: "0.5.7", 8: "0.5.8", 9: "0.5.8", 10: "0.5.8", 11: "0.5.8", 12: "0.5.12"}
+
+
+def parse_version(version: str) -> tuple[int, int, int] | None:
+    """(major, minor, patch) of a final release (`.postN` allowed), else None."""
+    m = _RELEASE.match(str(version).strip())
+    return (int(m.group(1)), int(m.group(2)), int(m.group(3))) if m else None
+
+
+def strategy_for(version: str) -> str:
+    """"patch" or "native" for a supported sglang release; PreflightError (exit 3) otherwise."""
+    parsed = parse_version(version)
+    if parsed is None:
+        raise PreflightError(
+            f"sglang {version!r} is not a release version (dev, rc and local builds are not "
+            f"supported); supported: {SUPPORTED}"
+        )
+    if parsed[:2] == (0, 5) and 6 <= parsed[2] <= 12:
+        return "patch"
+    if parsed >= (0, 5, 14):
+        return "native"
+    if parsed[:2] == (0, 5) and parsed[2] == 13:
+        raise PreflightError(
+            f"sglang {version} is not supported: its speculative worker was rewritten around "
+            f"ScheduleBatch and its adaptive mode cannot disable speculation (no steps=0); "
+            f"upgrade to 0.5.14 or later; supported: {SUPPORTED}"
+        )
+    raise PreflightError(
+        f"sglang {version} is too old: before 0.5.6 the spec v2 worker used a different KV "
+        f"allocation model; supported: {SUPPORTED}"
+    )
+
+
+def variant_for(version: str) -> str:
+    """The compat variant of the eagle_worker_v2 patch for a patch-strategy release."""
+    if strategy_for(version) != "patch":
+        raise PreflightError(f"sglang {version} uses the native strategy: no file is patched")
+    parsed = parse_version(version)
+    assert parsed is not None
+    return _VARIANTS[parsed[2]]
+
+
+def parse_threshold(value: object, where: str = "threshold") -> int:
+    """A threshold from the command line or a config: an integer from -1 to 1,000,000."""
+    if isinstance(value, bool):
+        raise UsageError(f"{where}: expected an integer, got {value!r}")
+    if isinstance(value, int):
+        number = value
+    else:
+        text = str(value).strip()
+        if not re.fullmatch(r"[+-]?\d+", text):
+            raise UsageError(
+                f"{where}: {value!r} is not an integer (use a whole number of requests, "
+                f"e.g. 32, or -1 to never disable speculation)"
+            )
+        number = int(text)
+    if number < -1:
+        raise UsageError(f"{where}: {number} is below -1 (-1 means never disable speculation)")
+    if number > MAX_THRESHOLD:
+        raise UsageError(
+            f"{where}: {number} is larger than {MAX_THRESHOLD:,} running requests; "
+            f"use -1 to never disable speculation"
+        )
+    return number

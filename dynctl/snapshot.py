@@ -1,0 +1,332 @@
+"""What the live view knows about one host at one moment, and the last minutes of it (UI-free).
+
+`build_snapshot` turns one item of the agent's `watch` stream into a `HostSnapshot`; it is a pure
+function of the item and the previous snapshot, which carries what a sample does not repeat
+(the server info is sampled every few seconds, a drain is announced once in the log).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from dynctl.metrics import (
+    GpuStat,
+    MetricsFormatError,
+    ServerMetrics,
+    parse_decode_line,
+    parse_gpu_csv,
+    parse_transition_line,
+    read_server_metrics,
+    split_log_prefix,
+)
+
+SERVER_STATES = ("down", "starting", "ready", "draining", "unresponsive", "unknown")
+_DRAIN_MARK = "SIGTERM received"  # sglang 0.5.9 tokenizer_manager.py:2502, logged when a drain begins
+
+
+@dataclass(frozen=True)
+class Switch:
+    """A moment speculation turned on (`enabled`) or off, in the host's clock."""
+
+    time: float
+    enabled: bool
+    batch_size: int | None = None
+    threshold: int | None = None
+
+
+@dataclass(frozen=True)
+class HostSnapshot:
+    host: str
+    time: float  # the host's clock for a live sample, this machine's when disconnected
+    connected: bool = True
+    disconnected_since: float | None = None
+    error: str | None = None
+    retry_at: float | None = None
+    simulated: bool = False
+    seq: int | None = None
+    state: str = "unknown"
+    pid: int | None = None
+    uptime_s: float | None = None
+    sglang_version: str | None = None
+    strategy: str | None = None  # patch | native | None (unknown / not deployed)
+    release: str | None = None
+    operation: str | None = None  # "deploy by alice since ..." while the host lock is held
+    threshold: int | None = None
+    running_reqs: int | None = None  # the batch size
+    queue_reqs: int | None = None
+    token_usage: float | None = None
+    used_tokens: int | None = None
+    max_total_tokens: int | None = None
+    gen_throughput: float | None = None
+    accept_length: float | None = None
+    spec_configured: bool | None = None  # a speculative algorithm is configured at all
+    speculation: bool | None = None  # on / off right now; None when unknown
+    last_switch: Switch | None = None
+    disabled_steps: float | None = None
+    gpus: tuple[GpuStat, ...] = ()
+    gpu_error: str | None = None
+    log_lines: tuple[str, ...] = ()
+    log_replace: bool = False  # a new stream: these lines replace the tail instead of extending it
+    log_restarted: bool = False  # the log file was truncated or replaced (a new server run)
+    switches: tuple[Switch, ...] = ()  # switches first seen in this sample
+    metrics_error: str | None = None
+    sample_ms: float | None = None
+    utc_offset: float | None = None
+    # carried from sample to sample, not shown as such
+    server_info: dict[str, Any] = field(default_factory=dict, repr=False)
+    drain_pid: int | None = None
+    process_started: float | None = None
+
+
+def _answering(part: dict[str, Any] | None) -> bool:
+    """The server answered HTTP, even if with an error status (e.g. /metrics without --enable-metrics)."""
+    if not part:
+        return False
+    return bool(part.get("ok")) or str(part.get("error", "")).startswith("HTTP ")
+
+
+def _server_state(alive: bool, answering: bool, draining: bool, prev: HostSnapshot | None, same_run: bool) -> str:
+    if draining and (alive or answering):
+        return "draining"
+    if answering:
+        return "ready"
+    if not alive:
+        return "down"
+    if prev is not None and same_run and prev.state in ("ready", "unresponsive"):
+        return "unresponsive"
+    return "starting"
+
+
+def _first(*values: Any) -> Any:
+    return next((v for v in values if v is not None), None)
+
+
+def _int_or_none(value: Any) -> int | None:
+    try:
+        return None if value is None else int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def build_snapshot(item: dict[str, Any], host: str, prev: HostSnapshot | None = None,
+                   simulated: bool = False) -> HostSnapshot:
+    """The snapshot for one `watch` item; `prev` is the previous live snapshot of the same host."""
+    t = float(item["t"])
+    offset = item.get("utc_offset")
+    proc = item.get("process") or {}
+    pid, alive, started = proc.get("pid"), bool(proc.get("alive")), proc.get("started")
+    same_run = prev is not None and prev.pid == pid and pid is not None
+
+    metrics_part = item.get("metrics") or {}
+    metrics, metrics_error = ServerMetrics(), None
+    if metrics_part.get("ok"):
+        try:
+            metrics = read_server_metrics(metrics_part.get("text", ""))
+        except MetricsFormatError as err:
+            metrics_error = str(err)
+    else:
+        metrics_error = metrics_part.get("error")
+
+    info_part = item.get("server_info")
+    carried = prev.server_info if prev is not None and same_run else {}
+    if info_part is not None and info_part.get("ok"):
+        info = info_part.get("data") or {}
+    else:  # not sampled this time, or slow to answer: the last one of the same server run still holds
+        info = carried
+    state_info = info.get("internal_state") or {}
+
+    log = item.get("log") or {}
+    lines = tuple(log.get("lines") or ())
+    decode = parse_decode_line(log["decode"], offset) if log.get("decode") else None
+    switches: list[Switch] = []
+    drain_pid = prev.drain_pid if prev is not None else None
+    for mark in log.get("marks") or ():
+        tr = parse_transition_line(mark, offset)
+        if tr is not None:
+            switches.append(Switch(_first(tr.time, t), tr.enabled, tr.batch_size, tr.threshold))
+        elif _DRAIN_MARK in mark and pid is not None:
+            when = split_log_prefix(mark, offset).time
+            if when is None or started is None or when >= started - 2:  # not a drain of an earlier run
+                drain_pid = pid
+
+    answering = _answering(metrics_part) or _answering(info_part)
+    state = _server_state(alive, answering, drain_pid == pid and pid is not None, prev, same_run)
+    up = state != "down"
+
+    algorithm = info.get("speculative_algorithm") if info else None
+    spec_configured = (algorithm not in (None, "", "NONE")) if info else (prev.spec_configured if same_run and prev else None)
+    release = item.get("release") or {}
+    strategy = _first(release.get("strategy"),
+                      "patch" if metrics.spec_enabled is not None or metrics.spec_threshold is not None else None,
+                      "native" if info.get("speculative_adaptive") else None,
+                      prev.strategy if prev is not None else None)
+
+    speculation = _speculation(metrics, switches, spec_configured, strategy, prev if same_run else None)
+    if not up:
+        speculation = None
+    if (not switches and speculation is not None and prev is not None and same_run
+            and prev.speculation is not None and prev.speculation != speculation):
+        switches.append(Switch(t, speculation))  # seen in the gauge only: the sample time is the best we know
+    last_switch = max(switches, key=lambda s: s.time) if switches else (prev.last_switch if prev else None)
+    if last_switch is not None and prev is not None and prev.last_switch is not None and prev.last_switch.time > last_switch.time:
+        last_switch = prev.last_switch
+
+    gpus_part = item.get("gpus") or {}
+    gpus: tuple[GpuStat, ...] = ()
+    gpu_error = None
+    if gpus_part.get("ok"):
+        try:
+            gpus = tuple(parse_gpu_csv(gpus_part.get("csv", "")))
+        except MetricsFormatError as err:
+            gpu_error = str(err)
+    elif gpus_part:
+        gpu_error = gpus_part.get("error")
+
+    lock = item.get("lock") or None
+    operation = None
+    if lock:
+        operation = f"{lock.get('operation') or 'operation'} by {lock.get('who') or '?'} since {lock.get('started') or '?'}"
+
+    threshold = _first(metrics.spec_threshold,
+                       _int_or_none(state_info.get("speculative_disable_batch_threshold")),
+                       _int_or_none(info.get("speculative_disable_batch_threshold")),
+                       _int_or_none(release.get("threshold")) if up else None,
+                       prev.threshold if same_run and prev else None)
+    return HostSnapshot(
+        host=host,
+        time=t,
+        simulated=simulated,
+        seq=item.get("seq"),
+        state=state,
+        pid=pid if alive else None,
+        uptime_s=(t - started) if alive and started else None,
+        sglang_version=_first(info.get("version"), release.get("sglang_version"),
+                              prev.sglang_version if prev is not None else None),
+        strategy=strategy,
+        release=release.get("id") or release.get("release") or (prev.release if prev is not None and not release else None),
+        operation=operation,
+        threshold=threshold,
+        running_reqs=_first(metrics.running_reqs, decode.running_reqs if decode else None) if up else None,
+        queue_reqs=_first(metrics.queue_reqs, decode.queue_reqs if decode else None) if up else None,
+        token_usage=_first(metrics.token_usage, decode.token_usage if decode else None) if up else None,
+        used_tokens=_first(metrics.used_tokens, decode.tokens if decode else None) if up else None,
+        max_total_tokens=metrics.max_total_tokens if up else None,
+        gen_throughput=_first(metrics.gen_throughput, decode.gen_throughput if decode else None) if up else None,
+        accept_length=_first(metrics.accept_length, decode.accept_length if decode else None,
+                             state_info.get("avg_spec_accept_length")) if up and spec_configured is not False else None,
+        spec_configured=spec_configured,
+        speculation=speculation,
+        last_switch=last_switch,
+        disabled_steps=metrics.spec_disabled_steps if up else None,
+        gpus=gpus,
+        gpu_error=gpu_error,
+        log_lines=lines,
+        log_replace=item.get("seq") == 0,
+        log_restarted=bool(log.get("reset")),
+        switches=tuple(sorted(switches, key=lambda s: s.time)),
+        metrics_error=metrics_error if up else None,
+        sample_ms=item.get("sample_ms"),
+        utc_offset=offset,
+        server_info=info,
+        drain_pid=drain_pid,
+        process_started=started,
+    )
+
+
+def _speculation(m: ServerMetrics, switches: list[Switch], configured: bool | None, strategy: str | None,
+                 prev: HostSnapshot | None) -> bool | None:
+    """On or off, from the most direct evidence there is: the patch's gauge, its log line, native steps."""
+    if configured is False:
+        return False
+    if m.spec_enabled is not None:
+        return m.spec_enabled
+    if switches:
+        return max(switches, key=lambda s: s.time).enabled
+    if m.spec_num_steps is not None and strategy == "native":
+        return m.spec_num_steps > 0
+    if prev is not None and prev.speculation is not None:
+        return prev.speculation
+    if configured and strategy is None:  # a pristine server with speculation: always on
+        return True
+    return None
+
+
+def disconnected(host: str, now: float, error: str, prev: HostSnapshot | None, retry_at: float | None = None,
+                 simulated: bool = False) -> HostSnapshot:
+    """The snapshot of a host we cannot hear: the last known values, marked stale."""
+    base = prev if prev is not None else HostSnapshot(host=host, time=now, simulated=simulated)
+    since = prev.disconnected_since if prev is not None and not prev.connected else now
+    return replace(base, time=now, connected=False, disconnected_since=since, error=error, retry_at=retry_at,
+                   log_lines=(), log_replace=False, log_restarted=False, switches=())
+
+
+@dataclass(frozen=True)
+class Point:
+    time: float
+    gen_throughput: float | None
+    running_reqs: int | None
+    threshold: int | None
+    speculation: bool | None
+
+
+class HostHistory:
+    """The last `window_s` seconds of one host: chart points, switch moments and the log tail. Thread-safe."""
+
+    def __init__(self, host: str, window_s: float = 600.0, log_lines: int = 500) -> None:
+        self.host = host
+        self.window_s = window_s
+        self._lock = threading.Lock()
+        self._points: deque[Point] = deque()
+        self._switches: deque[Switch] = deque()
+        self._log: deque[str] = deque(maxlen=log_lines)
+        self._latest: HostSnapshot | None = None
+        self._last_live: HostSnapshot | None = None
+
+    def add(self, snap: HostSnapshot) -> None:
+        with self._lock:
+            self._latest = snap
+            if not snap.connected:
+                return
+            self._last_live = snap
+            self._points.append(Point(snap.time, snap.gen_throughput, snap.running_reqs, snap.threshold, snap.speculation))
+            known = {(s.time, s.enabled) for s in self._switches}
+            for s in snap.switches:
+                if (s.time, s.enabled) not in known:  # a new stream re-reads the log's recent marks
+                    self._switches.append(s)
+            if snap.switches:
+                self._switches = deque(sorted(self._switches, key=lambda s: s.time))
+            if snap.log_replace:
+                self._log.clear()
+            elif snap.log_restarted:
+                self._log.append("──── log restarted (new server run) ────")
+            self._log.extend(snap.log_lines)
+            horizon = snap.time - self.window_s
+            while self._points and self._points[0].time < horizon:
+                self._points.popleft()
+            while self._switches and self._switches[0].time < horizon:
+                self._switches.popleft()
+
+    @property
+    def latest(self) -> HostSnapshot | None:
+        return self._latest
+
+    @property
+    def last_live(self) -> HostSnapshot | None:
+        """The newest snapshot that came from the host (the base of the next one)."""
+        return self._last_live
+
+    def points(self) -> list[Point]:
+        with self._lock:
+            return list(self._points)
+
+    def switches(self) -> list[Switch]:
+        with self._lock:
+            return list(self._switches)
+
+    def log_tail(self, n: int | None = None) -> list[str]:
+        with self._lock:
+            lines = list(self._log)
+        return lines if n is None else lines[-n:]

@@ -1,0 +1,135 @@
+"""A local TCP port whose connections are carried to a far address over SSH `direct-tcpip` channels.
+
+HTTP clients (httpx) then talk to 127.0.0.1:PORT as to any server; `http.client` over a raw paramiko
+Channel fails intermittently (IncompleteRead), a real local socket does not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import select
+import socket
+import struct
+import threading
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger("dynctl.ssh")
+
+_CHUNK = 1 << 16
+
+
+class LocalForwarder:
+    """Listens on 127.0.0.1:<free port>; each accepted connection gets its own channel from `open_channel`."""
+
+    def __init__(self, open_channel: Callable[[], Any], name: str = "") -> None:
+        self._open_channel = open_channel
+        self._name = name
+        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._listener.bind(("127.0.0.1", 0))
+        self._listener.listen(32)
+        self.address: tuple[str, int] = self._listener.getsockname()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._open: set[Any] = set()
+        self._threads: list[threading.Thread] = []
+        self._acceptor = threading.Thread(target=self._accept_loop, name=f"forward {name}", daemon=True)
+
+    def start(self) -> LocalForwarder:
+        self._acceptor.start()
+        return self
+
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                ready, _, _ = select.select([self._listener], [], [], 0.25)
+                if not ready:
+                    continue
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            t = threading.Thread(target=self._serve, args=(conn,), name=f"forward {self._name} conn", daemon=True)
+            with self._lock:
+                self._threads = [x for x in self._threads if x.is_alive()]
+                self._threads.append(t)
+            t.start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            chan = self._open_channel()
+        except Exception as err:  # noqa: BLE001 - any failure means: refuse this one connection
+            log.debug("forward %s: %s", self._name, err)
+            _reset(conn)
+            return
+        with self._lock:
+            self._open.update((conn, chan))
+        try:
+            _pump(conn, chan, self._stop)
+        finally:
+            with self._lock:
+                self._open.discard(conn)
+                self._open.discard(chan)
+            with contextlib.suppress(Exception):
+                chan.close()
+            with contextlib.suppress(OSError):
+                conn.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        with contextlib.suppress(OSError):
+            self._listener.close()
+        with self._lock:
+            live = list(self._open)
+            threads = list(self._threads)
+        for end in live:
+            with contextlib.suppress(Exception):
+                end.close()
+        self._acceptor.join(2)
+        for t in threads:
+            t.join(2)
+
+
+def _pump(conn: socket.socket, chan: Any, stop: threading.Event) -> None:
+    """Copy both ways until both sides have finished sending (half-closes are passed on)."""
+    conn_open, chan_open = True, True
+    while (conn_open or chan_open) and not stop.is_set():
+        watch = ([conn] if conn_open else []) + ([chan] if chan_open else [])
+        ready, _, _ = select.select(watch, [], [], 0.5)
+        if conn in ready:
+            data = _recv(conn)
+            if data:
+                chan.sendall(data)
+            else:
+                conn_open = False
+                with contextlib.suppress(Exception):
+                    chan.shutdown_write()
+        if chan in ready:
+            data = chan.recv(_CHUNK)
+            if data:
+                try:
+                    conn.sendall(data)
+                except OSError:
+                    return
+            else:
+                chan_open = False
+                with contextlib.suppress(OSError):
+                    conn.shutdown(socket.SHUT_WR)
+        if chan.closed and not chan.recv_ready():
+            return
+
+
+def _recv(conn: socket.socket) -> bytes:
+    try:
+        return conn.recv(_CHUNK)
+    except OSError:
+        return b""
+
+
+def _reset(conn: socket.socket) -> None:
+    """Close with RST so the client sees 'connection reset', not a silent empty answer."""
+    with contextlib.suppress(OSError):
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    with contextlib.suppress(OSError):
+        conn.close()

@@ -1,0 +1,199 @@
+"""Turn speculative decoding off for decode batches larger than a threshold.
+
+`--speculative-disable-batch-threshold N`: a decode step whose batch holds more than N
+requests runs a plain target decode instead of draft + verify; at or below N speculation
+runs as usual. -1 (or unset) never disables. The value can be changed at runtime through
+`/set_internal_state`.
+
+This module holds the policy and its bookkeeping only. It imports nothing outside the
+standard library (prometheus_client is imported when metrics are created), so it can be
+unit-tested, and loaded by file path, without torch.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, NamedTuple, Optional
+
+logger = logging.getLogger(__name__)
+
+ARG_NAME = "speculative_disable_batch_threshold"
+NEVER = -1
+
+
+def validate_threshold(value: Any) -> Optional[int]:
+    """Return `value` as a threshold (None or an int >= -1); raise ValueError otherwise."""
+    if value is None:
+        return None
+    # bool is an int subclass; `True` is a mistake, not a batch size.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(
+            f"{ARG_NAME} must be an integer >= -1 (or null), got {value!r} "
+            f"of type {type(value).__name__}"
+        )
+    if value < NEVER:
+        raise ValueError(
+            f"{ARG_NAME} must be >= -1 (-1 never disables speculation), got {value}"
+        )
+    return int(value)
+
+
+class Decision(NamedTuple):
+    speculate: bool
+    # The log line for a state change, None when the state stays as it was.
+    transition: Optional[str]
+
+
+class SpecDisablePolicy:
+    """Decides per decode step whether to speculate, from the batch size alone.
+
+    The batch size is identical on every TP rank, so every rank takes the same branch
+    (a rank that disagreed would run different collectives and hang the group).
+    """
+
+    def __init__(self, threshold: Optional[int]):
+        self._threshold = validate_threshold(threshold)
+        self.enabled = True
+        self.disabled_steps = 0
+
+    @property
+    def threshold(self) -> Optional[int]:
+        return self._threshold
+
+    @threshold.setter
+    def threshold(self, value: Optional[int]) -> None:
+        self._threshold = validate_threshold(value)
+
+    @property
+    def armed(self) -> bool:
+        return self._threshold is not None and self._threshold >= 0
+
+    def decide(self, batch_size: int) -> Decision:
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 0:
+            raise ValueError(f"batch size must be an integer >= 0, got {batch_size!r}")
+        threshold = self._threshold
+        speculate = not self.armed or batch_size <= threshold
+        transition = None
+        if speculate != self.enabled:
+            if not speculate:
+                transition = (
+                    f"Speculation disabled: batch size {batch_size} > threshold {threshold}"
+                )
+            elif self.armed:
+                transition = (
+                    f"Speculation enabled: batch size {batch_size} <= threshold {threshold}"
+                )
+            else:
+                transition = (
+                    f"Speculation enabled: batch size {batch_size}, threshold off"
+                )
+            self.enabled = speculate
+        if not speculate:
+            self.disabled_steps += 1
+        return Decision(speculate, transition)
+
+
+def unsupported_reason(server_args: Any) -> Optional[str]:
+    """Why the threshold cannot take effect under these server args, or None.
+
+    Read with getattr so that one function serves every sglang release that carries
+    the flag (fields come and go between releases).
+    """
+
+    def arg(name: str, default: Any = None) -> Any:
+        return getattr(server_args, name, default)
+
+    algorithm = arg("speculative_algorithm")
+    if algorithm is None:
+        return "speculative decoding is off"
+    if str(algorithm).upper() not in ("EAGLE", "EAGLE3"):
+        return f"speculative_algorithm={algorithm} (only EAGLE and EAGLE3 are supported)"
+    if arg("disable_overlap_schedule", False):
+        return (
+            "spec v2 is not in use (the overlap scheduler is disabled); "
+            "only the spec v2 worker implements the threshold (SGLANG_ENABLE_SPEC_V2=1)"
+        )
+    topk = arg("speculative_eagle_topk")
+    if topk is not None and topk != 1:
+        return f"speculative_eagle_topk={topk} (only topk=1 is supported)"
+    if arg("enable_dp_attention", False):
+        return (
+            "DP attention is enabled (batch sizes differ between DP ranks, "
+            "so the ranks would not take the same branch)"
+        )
+    if arg("enable_multi_layer_eagle", False):
+        return "enable_multi_layer_eagle=True (MultiLayerEagleWorkerV2 has no plain-decode path)"
+    if arg("enable_two_batch_overlap", False):
+        return "enable_two_batch_overlap=True is not supported"
+    if arg("enable_pdmux", False):
+        return "enable_pdmux=True is not supported"
+    if arg("speculative_adaptive", False):
+        return "speculative_adaptive=True already chooses the step count per batch"
+    return None
+
+
+def check_threshold_args(server_args: Any) -> None:
+    """Validate the threshold at startup; log one line when it cannot take effect."""
+    threshold = validate_threshold(getattr(server_args, ARG_NAME, None))
+    if threshold is None or threshold < 0:
+        return
+    reason = unsupported_reason(server_args)
+    if reason is not None:
+        logger.warning(
+            f"{ARG_NAME}={threshold} is not armed: {reason}. Speculation is never disabled."
+        )
+        return
+    max_running = getattr(server_args, "max_running_requests", None)
+    if max_running is not None and threshold >= max_running:
+        logger.warning(
+            f"{ARG_NAME}={threshold} never fires: max_running_requests={max_running} "
+            f"caps the batch size at or below the threshold."
+        )
+
+
+class SpecDisableMetrics:
+    """`sglang:spec_enabled`, `sglang:spec_disable_threshold` and
+    `sglang:spec_disabled_steps_total`, with the labels of the scheduler's collector."""
+
+    def __init__(self, labels: Dict[str, Any], registry: Any = None):
+        # Imported here: sglang sets PROMETHEUS_MULTIPROC_DIR before any metric exists.
+        from prometheus_client import REGISTRY, Counter, Gauge
+
+        registry = registry if registry is not None else REGISTRY
+        self.labels = dict(labels)
+        names = list(self.labels)
+        self.spec_enabled = Gauge(
+            name="sglang:spec_enabled",
+            documentation="1 while decode steps speculate, 0 while the batch-size threshold disables speculation.",
+            labelnames=names,
+            multiprocess_mode="mostrecent",
+            registry=registry,
+        )
+        self.spec_disable_threshold = Gauge(
+            name="sglang:spec_disable_threshold",
+            documentation="speculative_disable_batch_threshold in force (-1: never disable).",
+            labelnames=names,
+            multiprocess_mode="mostrecent",
+            registry=registry,
+        )
+        self.spec_disabled_steps_total = Counter(
+            name="sglang:spec_disabled_steps_total",
+            documentation="Decode steps run without speculation because of the batch-size threshold.",
+            labelnames=names,
+            registry=registry,
+        )
+        self._enabled = self.spec_enabled.labels(**self.labels)
+        self._threshold = self.spec_disable_threshold.labels(**self.labels)
+        self._disabled = self.spec_disabled_steps_total.labels(**self.labels)
+        self._last = None
+
+    def observe(self, policy: SpecDisablePolicy, decision: Decision) -> None:
+        """Record one decode step's decision (gauges are written only when they change)."""
+        threshold = NEVER if policy.threshold is None else policy.threshold
+        state = (decision.speculate, threshold)
+        if state != self._last:
+            self._enabled.set(1 if decision.speculate else 0)
+            self._threshold.set(threshold)
+            self._last = state
+        if not decision.speculate:
+            self._disabled.inc(1)

@@ -1,0 +1,55 @@
+"""Shared fixtures: an isolated $HOME for every test, and real OpenSSH servers on loopback.
+
+`sshd` (session) is a FakeHost: `.host .port .user .target .client_key .host_key_line .tmp`,
+`.make_ct(ctid, state="running")`, `.ssh(**kw)` (a dynctl SSH transport), and
+`.write_config(path, {"box": {"ssh": sshd.target, "pct": 129, ...}})` for end-to-end tests.
+`sshd_factory` (function) starts more servers that the test may kill (ProxyJump down, reconnects).
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from sshd_harness import SSHD, FakeHost, start_fake_host
+
+
+@pytest.fixture(autouse=True)
+def isolated_home(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory):
+    """~/.ssh/config, ~/.ssh/known_hosts and ~/.config/dynctl are empty temp dirs; no ssh-agent."""
+    home = tmp_path_factory.mktemp("home")
+    (home / ".ssh").mkdir(mode=0o700)
+    monkeypatch.setenv("HOME", str(home))
+    for var in ("XDG_CONFIG_HOME", "DYNCTL_CONFIG", "SSH_AUTH_SOCK", "SSH_AGENT_PID"):
+        monkeypatch.delenv(var, raising=False)
+    return home
+
+
+@pytest.fixture(scope="session")
+def sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeHost]:
+    if not os.path.exists(SSHD):
+        pytest.fail("sshd not found: apt-get install -y openssh-server (the SSH tests need a real one)")
+    host = start_fake_host(tmp_path_factory.mktemp("fakehost"), marker=f"dyntest-{uuid.uuid4().hex}")
+    try:
+        yield host
+    finally:
+        host.stop()
+
+
+@pytest.fixture
+def sshd_factory(tmp_path_factory: pytest.TempPathFactory, sshd: FakeHost) -> Iterator[Callable[..., FakeHost]]:
+    """Start extra sshds (same client key as `sshd` unless share_key=False); all stopped after the test."""
+    started: list[FakeHost] = []
+
+    def start(host: str = "127.0.0.1", *, share_key: bool = True, max_sessions: int = 10) -> FakeHost:
+        fh = start_fake_host(tmp_path_factory.mktemp("extra-sshd"), host=host, max_sessions=max_sessions,
+                             client_key=sshd.client_key if share_key else None)
+        started.append(fh)
+        return fh
+
+    yield start
+    for fh in reversed(started):
+        fh.stop()
