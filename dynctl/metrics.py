@@ -149,11 +149,15 @@ _RANK = re.compile(r"([A-Z_]+?)(\d+)")
 _DECODE = re.compile(r"Decode batch(?: \[(?P<iter>\d+)\])?, (?P<body>.*)$")
 _PAIR = re.compile(r"(?:^|, )(?P<key>[^:,]+): (?P<value>[^,]*)")
 
-# The threshold patch's transition line (SPEC §4): "Speculation disabled: batch size 7 > threshold 5"
-# / "Speculation enabled: batch size 5 <= threshold 5".
+# The threshold patch's transition line (SPEC §4; patches/spec_batch_threshold.py `decide`):
+# "Speculation disabled: batch size 7 > threshold 5" / "Speculation enabled: batch size 5 <= threshold 5"
+# / "Speculation enabled: batch size 9, threshold off" (after a live change to -1).
 _TRANSITION = re.compile(
-    r"Speculation (?P<state>enabled|disabled): batch size (?P<batch>\d+) (?P<op>>|<=) threshold (?P<threshold>-?\d+)"
+    r"Speculation (?P<state>enabled|disabled): batch size (?P<batch>\d+)"
+    r"(?: (?P<op>>|<=) threshold (?P<threshold>-?\d+)|, threshold off)"
 )
+# Its startup warnings when the threshold cannot act (check_threshold_args).
+_NOT_ARMED = re.compile(r"speculative_disable_batch_threshold=(?P<threshold>-?\d+) (?P<what>is not armed|never fires): (?P<reason>.*)")
 
 
 @dataclass(frozen=True)
@@ -243,7 +247,7 @@ class Transition:
     time: float | None
     enabled: bool
     batch_size: int
-    threshold: int
+    threshold: int | None  # None: "threshold off"
 
 
 def parse_transition_line(line: str, utc_offset: float | None = None) -> Transition | None:
@@ -252,7 +256,19 @@ def parse_transition_line(line: str, utc_offset: float | None = None) -> Transit
     m = _TRANSITION.search(prefix.message)
     if not m:
         return None
-    return Transition(prefix.time, m.group("state") == "enabled", int(m.group("batch")), int(m.group("threshold")))
+    threshold = m.group("threshold")
+    return Transition(prefix.time, m.group("state") == "enabled", int(m.group("batch")),
+                      None if threshold is None else int(threshold))
+
+
+def parse_threshold_warning(line: str, utc_offset: float | None = None) -> tuple[float | None, str] | None:
+    """(time, "threshold 5 is not armed: <reason>") from the patch's startup warning, or None."""
+    prefix = split_log_prefix(line, utc_offset)
+    m = _NOT_ARMED.search(prefix.message)
+    if not m:
+        return None
+    reason = m.group("reason").split(". Speculation is never disabled")[0].rstrip(".")
+    return prefix.time, f"threshold {m.group('threshold')} {m.group('what')}: {reason}"
 
 
 # --------------------------------------------------------------------------- nvidia-smi

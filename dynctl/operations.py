@@ -26,7 +26,8 @@ def follow(agent: AgentClient, op_id: str | None = None, reconnect_for: float = 
     deadline: float | None = None
     while True:
         try:
-            for event in agent.stream("op_follow", op_id=op_id, from_line=seen):
+            for item in agent.stream("op_follow", op_id=op_id, from_line=seen):
+                event = item["op"]
                 deadline = None
                 seen = event.get("seq", seen + 1)
                 op_id = event.get("op_id", op_id)

@@ -18,11 +18,13 @@ from dynctl.metrics import (
     ServerMetrics,
     parse_decode_line,
     parse_gpu_csv,
+    parse_threshold_warning,
     parse_transition_line,
     read_server_metrics,
     split_log_prefix,
 )
 
+LOG_RESTARTED = "──── log restarted (new server run) ────"
 SERVER_STATES = ("down", "starting", "ready", "draining", "unresponsive", "unknown")
 _DRAIN_MARK = "SIGTERM received"  # sglang 0.5.9 tokenizer_manager.py:2502, logged when a drain begins
 
@@ -73,6 +75,7 @@ class HostSnapshot:
     log_restarted: bool = False  # the log file was truncated or replaced (a new server run)
     switches: tuple[Switch, ...] = ()  # switches first seen in this sample
     metrics_error: str | None = None
+    spec_warning: str | None = None  # the patch says the threshold cannot act (not armed / never fires)
     sample_ms: float | None = None
     utc_offset: float | None = None
     # carried from sample to sample, not shown as such
@@ -143,17 +146,23 @@ def build_snapshot(item: dict[str, Any], host: str, prev: HostSnapshot | None = 
     decode = parse_decode_line(log["decode"], offset) if log.get("decode") else None
     switches: list[Switch] = []
     drain_pid = prev.drain_pid if prev is not None else None
+    spec_warning = prev.spec_warning if prev is not None and same_run else None
     for mark in log.get("marks") or ():
         tr = parse_transition_line(mark, offset)
+        warning = None if tr is not None else parse_threshold_warning(mark, offset)
         if tr is not None:
             switches.append(Switch(_first(tr.time, t), tr.enabled, tr.batch_size, tr.threshold))
+        elif warning is not None:
+            if warning[0] is None or started is None or warning[0] >= started - 2:  # this run's, not an earlier one's
+                spec_warning = warning[1]
         elif _DRAIN_MARK in mark and pid is not None:
             when = split_log_prefix(mark, offset).time
             if when is None or started is None or when >= started - 2:  # not a drain of an earlier run
                 drain_pid = pid
 
     answering = _answering(metrics_part) or _answering(info_part)
-    state = _server_state(alive, answering, drain_pid == pid and pid is not None, prev, same_run)
+    draining = (drain_pid == pid and pid is not None) or bool(proc.get("stopping"))  # log mark, or dynctl's stop
+    state = _server_state(alive, answering, draining, prev, same_run)
     up = state != "down"
 
     algorithm = info.get("speculative_algorithm") if info else None
@@ -206,7 +215,7 @@ def build_snapshot(item: dict[str, Any], host: str, prev: HostSnapshot | None = 
         sglang_version=_first(info.get("version"), release.get("sglang_version"),
                               prev.sglang_version if prev is not None else None),
         strategy=strategy,
-        release=release.get("id") or release.get("release") or (prev.release if prev is not None and not release else None),
+        release=release.get("id") or proc.get("release"),
         operation=operation,
         threshold=threshold,
         running_reqs=_first(metrics.running_reqs, decode.running_reqs if decode else None) if up else None,
@@ -228,6 +237,7 @@ def build_snapshot(item: dict[str, Any], host: str, prev: HostSnapshot | None = 
         log_restarted=bool(log.get("reset")),
         switches=tuple(sorted(switches, key=lambda s: s.time)),
         metrics_error=metrics_error if up else None,
+        spec_warning=spec_warning if up else None,
         sample_ms=item.get("sample_ms"),
         utc_offset=offset,
         server_info=info,
@@ -282,6 +292,8 @@ class HostHistory:
         self._points: deque[Point] = deque()
         self._switches: deque[Switch] = deque()
         self._log: deque[str] = deque(maxlen=log_lines)
+        self._log_total = 0  # lines ever appended: readers ask for what came after their count
+        self._log_epoch = 0  # bumped when the tail is replaced, so readers start over
         self._latest: HostSnapshot | None = None
         self._last_live: HostSnapshot | None = None
 
@@ -300,9 +312,12 @@ class HostHistory:
                 self._switches = deque(sorted(self._switches, key=lambda s: s.time))
             if snap.log_replace:
                 self._log.clear()
+                self._log_epoch += 1
             elif snap.log_restarted:
-                self._log.append("──── log restarted (new server run) ────")
+                self._log.append(LOG_RESTARTED)
+                self._log_total += 1
             self._log.extend(snap.log_lines)
+            self._log_total += len(snap.log_lines)
             horizon = snap.time - self.window_s
             while self._points and self._points[0].time < horizon:
                 self._points.popleft()
@@ -330,3 +345,13 @@ class HostHistory:
         with self._lock:
             lines = list(self._log)
         return lines if n is None else lines[-n:]
+
+    def log_since(self, mark: tuple[int, int] | None) -> tuple[list[str], tuple[int, int], bool]:
+        """Lines appended after `mark` (from an earlier call), the new mark, and whether the reader must
+        start over (first call, replaced tail, or more lines than the tail keeps)."""
+        with self._lock:
+            now = (self._log_epoch, self._log_total)
+            if mark is None or mark[0] != self._log_epoch or self._log_total - mark[1] > len(self._log):
+                return list(self._log), now, True
+            new = self._log_total - mark[1]
+            return (list(self._log)[-new:] if new else []), now, False

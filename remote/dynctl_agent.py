@@ -511,7 +511,7 @@ def op_follow(ctx, op_id=None, from_line=0, **_):
             event = json.loads(raw)
             event["op_id"] = op_id
             event["seq"] = seen
-            yield event
+            yield {"ok": True, "op": event}  # the op's own ok/error stay inside, not the stream's
             if event.get("final"):
                 return
         if not lines:
@@ -519,9 +519,10 @@ def op_follow(ctx, op_id=None, from_line=0, **_):
             if holder is None or holder.get("op") != op_id:
                 idle_checks += 1
                 if idle_checks > 3:  # the worker is gone and wrote no final event
-                    yield {"type": "final", "final": True, "ok": False, "op_id": op_id,
-                           "error": "the %s worker died without finishing; see %s"
-                                    % (request.get("kind"), ctx.path("ops", op_id + ".log"))}
+                    yield {"ok": True, "op": {
+                        "type": "final", "final": True, "ok": False, "op_id": op_id, "seq": seen + 1,
+                        "error": "the %s worker died without finishing; see %s"
+                                 % (request.get("kind"), ctx.path("ops", op_id + ".log"))}}
                     return
             time.sleep(0.1)
 
@@ -531,7 +532,7 @@ def run_operation(request_path):
     request = _read_json(request_path)
     ctx = Context(request["host"], request.get("client"))
     oplog = OpLog(ctx, request["id"], request["kind"])
-    oplog.emit("started", kind=request["kind"], params=request.get("params"), pid=os.getpid())
+    oplog.emit("started", kind=request["kind"], pid=os.getpid())
     try:
         result = OPS[request["kind"]](ctx, oplog, **(request.get("params") or {}))
         final = {"ok": True}
@@ -603,6 +604,8 @@ def bench_parse_metrics(text):
             continue
         if name == "sglang:cuda_graph_passes_total":
             key = "passes_" + labels.get("mode", "unknown")
+        elif name == "sglang:realtime_tokens_total":
+            key = "tokens_" + labels.get("mode", "unknown")
         else:
             key = _BENCH_GAUGES.get(name)
         if key is not None and number == number and abs(number) != float("inf"):  # NaN: "no value yet"
@@ -711,6 +714,7 @@ class _BenchLevel:
         self.errors = {}
         self.samples = []
         self.metrics_note = None
+        self.metrics_missing = False
         self.timed_out = False
         self.stop = False
         self.window_open = asyncio.Event()
@@ -804,7 +808,7 @@ class _BenchLevel:
             headers[k.strip().lower()] = v.strip().lower()
         keep = headers.get("connection") != "close" and not status_line.startswith(b"HTTP/1.0")
         times, cums = [], []
-        state = {"buf": b"", "cum": 0, "usage": None, "error": None, "done": False}
+        state = {"buf": b"", "cum": 0, "usage": None, "error": None}
 
         def on_data(data, t):
             buf = state["buf"] + data
@@ -817,7 +821,6 @@ class _BenchLevel:
                     continue
                 payload = line[5:].strip()
                 if payload == b"[DONE]":
-                    state["done"] = True
                     continue
                 try:
                     obj = json.loads(payload)
@@ -851,6 +854,8 @@ class _BenchLevel:
         if status != 200 and state["error"] is None:
             state["error"] = "HTTP %d" % status
         record["n"] = state["usage"] if state["usage"] is not None else state["cum"]
+        if cums and cums[-1] == len(cums):  # one token per chunk: the counts say nothing new
+            del record["k"]
         if state["error"] is None and not times:
             state["error"] = "stream ended without any token"
         return (conn if keep else None), state["error"]
@@ -937,20 +942,28 @@ class _BenchLevel:
                     entry[2] = "no data from the server for %g s" % self.idle_timeout
                     entry[0].transport.abort()
 
+    async def _sample(self, edge=False):
+        """One /metrics scrape; `edge` ones are taken at the window's ends, for exact counter deltas."""
+        if self.metrics_missing:
+            return
+        try:
+            text = await asyncio.wait_for(self._get_text("/metrics"), 5.0)
+        except (OSError, ValueError, asyncio.IncompleteReadError, asyncio.TimeoutError) as err:
+            self.metrics_note = "metrics unreadable: %s" % (err,)
+            return
+        if "sglang:" not in text:
+            self.metrics_missing = True
+            self.metrics_note = "no sglang metrics at /metrics (start the server with --enable-metrics)"
+            return
+        sample = bench_parse_metrics(text)
+        sample["t"] = round(self.now(), 3)
+        if edge:
+            sample["edge"] = 1
+        self.samples.append(sample)
+
     async def _sampler(self):
-        while True:
-            try:
-                text = await asyncio.wait_for(self._get_text("/metrics"), 5.0)
-            except (OSError, ValueError, asyncio.IncompleteReadError, asyncio.TimeoutError) as err:
-                text = None
-                self.metrics_note = "metrics unreadable: %s" % (err,)
-            if text is not None:
-                if "sglang:" not in text:
-                    self.metrics_note = "no sglang metrics at /metrics (start the server with --enable-metrics)"
-                    return
-                sample = bench_parse_metrics(text)
-                sample["t"] = round(self.now(), 3)
-                self.samples.append(sample)
+        while not self.metrics_missing:
+            await self._sample()
             await asyncio.sleep(self.sample_s)
 
     async def _get_text(self, path):
@@ -991,12 +1004,15 @@ class _BenchLevel:
         try:
             if not await self._until(self.window_open, all_done):
                 self.timed_out = not all_done.done()
-            elif self.duration is not None:
+                return
+            await self._sample(edge=True)
+            if self.duration is not None:
                 cap = min(self.w1, self.max_level_s) - self.now()
                 await asyncio.wait([all_done], timeout=max(0.0, cap))
                 self.timed_out = self.now() < self.w1 - 0.01 and not all_done.done()
             elif not await self._until(self.finished, all_done):
                 self.timed_out = not all_done.done()
+            await self._sample(edge=True)  # the load still runs: counters up to the window's end
         finally:
             self.stop = True
             end = self.now()
@@ -1091,7 +1107,7 @@ _WATCH_LOG_SCAN = 256 << 10  # how far back the first sample looks for state mar
 _WATCH_LOG_CAP = 1 << 20  # most log bytes read per interval; a flood beyond that is skipped
 # Lines the client needs even when the tail it is sent is cut: speculation transitions, drain, ready, crash.
 _WATCH_MARKS = ("Speculation enabled", "Speculation disabled", "SIGTERM received", "fired up and ready to roll",
-                "Traceback (most recent call last)")
+                "Traceback (most recent call last)", "is not armed:", "never fires:")
 _WATCH_MAX_MARKS = 200
 # Same query as dynctl.metrics.GPU_QUERY, with the sample's timestamp first to cut the stream into blocks.
 _WATCH_GPU_FIELDS = "index,uuid,name,utilization.gpu,memory.used,memory.total"
@@ -1170,27 +1186,37 @@ def _watch_started(pid):
     return boot + ticks / float(os.sysconf("SC_CLK_TCK"))
 
 
-def _watch_pidfile(ctx):
-    """The pid in workdir/server.pid: a JSON object with "pid", or a bare number."""
-    try:
-        with open(ctx.path("server.pid")) as f:
-            raw = f.read().strip()
-    except OSError:
-        return None
-    try:
-        data = json.loads(raw)
-    except ValueError:
-        return None
-    if isinstance(data, dict):
-        data = data.get("pid")
-    try:
-        return int(data) or None
-    except (TypeError, ValueError):
-        return None
+# The lifecycle section records the server in workdir/server.json ({"pid", "pid_start", "stopping", "release",
+# ...}); a hand-written workdir/server.pid (a bare pid or {"pid": N}) is read when that is absent.
+_WATCH_PIDFILES = ("server.json", "server.pid")
+
+
+def _watch_server_record(ctx):
+    for name in _WATCH_PIDFILES:
+        try:
+            with open(ctx.path(name)) as f:
+                raw = f.read().strip()
+        except OSError:
+            continue
+        try:
+            data = json.loads(raw)
+        except ValueError:
+            return None
+        if not isinstance(data, dict):
+            data = {"pid": data}
+        try:
+            data["pid"] = int(data.get("pid") or 0) or None
+        except (TypeError, ValueError):
+            return None
+        return data if data["pid"] else None
+    return None
 
 
 class _WatchProcess:
-    """Finds the server like SPEC §5 does (pidfile, else port), rescanning the port only every few seconds."""
+    """Finds the server like SPEC §5 does (pidfile, else port), rescanning the port only every few seconds.
+
+    Lighter than the lifecycle's locate_server, which walks all of /proc: this runs every second.
+    """
 
     PORT_EVERY = 5.0
 
@@ -1200,21 +1226,26 @@ class _WatchProcess:
         self.port_checked = 0.0
 
     def sample(self, now):
-        pid, source = _watch_pidfile(self.ctx), "pidfile"
-        if pid is None or not pid_alive(pid):
-            if now - self.port_checked >= self.PORT_EVERY or (self.port_pid and not pid_alive(self.port_pid)):
-                pids = listening_pids(self.ctx.port)
-                self.port_pid, self.port_checked = (pids[0] if pids else None), now
-            if self.port_pid and pid_alive(self.port_pid):
-                pid, source = self.port_pid, "port"
-            elif pid is None:
-                return {"pid": None, "alive": False, "source": None}
-        alive = pid_alive(pid)
-        return {"pid": pid, "alive": alive, "source": source, "started": _watch_started(pid) if alive else None}
+        rec = _watch_server_record(self.ctx) or {}
+        pid = rec.get("pid")
+        if pid is not None and (not pid_alive(pid) or rec.get("pid_start") not in (None, process_start_time(pid))):
+            pid = None  # gone, or a recycled pid
+        if pid is not None:
+            stopping = rec.get("stopping") if not rec.get("stopped") else None
+            return {"pid": pid, "alive": True, "source": "pidfile", "started": _watch_started(pid),
+                    "stopping": stopping, "release": rec.get("release")}
+        if now - self.port_checked >= self.PORT_EVERY or (self.port_pid and not pid_alive(self.port_pid)):
+            pids = listening_pids(self.ctx.port)
+            self.port_pid, self.port_checked = (pids[0] if pids else None), now
+        if self.port_pid and pid_alive(self.port_pid):
+            return {"pid": self.port_pid, "alive": True, "source": "port", "started": _watch_started(self.port_pid)}
+        return {"pid": None, "alive": False, "source": None}
 
 
 class _WatchLog:
     """New lines of the server log since the last sample; follows truncation and replacement."""
+
+    PROOF = 64  # bytes before our position that must still be there, or the file was rewritten
 
     def __init__(self, path, max_lines):
         self.path = path
@@ -1223,12 +1254,20 @@ class _WatchLog:
         self.ino = None
         self.pos = 0
         self.partial = b""
+        self.proof = b""
+
+    def _rewritten(self):
+        """Truncated and refilled to the same size or beyond: the bytes we last read are gone."""
+        if not self.proof:
+            return False
+        self.f.seek(self.pos - len(self.proof))
+        return self.f.read(len(self.proof)) != self.proof
 
     def _open(self, at_end):
         self.close()
         f = open(self.path, "rb")
         st = os.fstat(f.fileno())
-        self.f, self.ino, self.partial = f, st.st_ino, b""
+        self.f, self.ino, self.partial, self.proof = f, st.st_ino, b"", b""
         self.pos = max(0, st.st_size - _WATCH_LOG_SCAN) if at_end else 0
         return self.pos > 0
 
@@ -1238,22 +1277,23 @@ class _WatchLog:
             self.f = None
 
     def sample(self, first=False):
-        out = {"path": self.path, "lines": [], "marks": [], "decode": None, "dropped": 0, "reset": False}
+        out = {"path": self.path, "lines": [], "marks": [], "decode": None, "dropped": 0, "skipped_bytes": 0,
+               "reset": False}
         try:
             if self.f is None:
                 cut = self._open(at_end=first)
                 out["reset"] = not first
             else:
                 st = os.stat(self.path)
-                if st.st_ino != self.ino or st.st_size < self.pos:  # replaced or truncated: a new server run
+                if st.st_ino != self.ino or st.st_size < self.pos or self._rewritten():  # a new server run
                     cut = self._open(at_end=False)
                     out["reset"] = True
                 else:
                     cut = False
             size = os.fstat(self.f.fileno()).st_size
             if size - self.pos > _WATCH_LOG_CAP:
-                self.pos, self.partial, cut = size - _WATCH_LOG_CAP, b"", True
-                out["dropped"] += 1
+                out["skipped_bytes"] = size - _WATCH_LOG_CAP - self.pos
+                self.pos, self.partial, self.proof, cut = size - _WATCH_LOG_CAP, b"", b"", True
             self.f.seek(self.pos)
             chunk = self.f.read(size - self.pos)
         except OSError as err:
@@ -1261,6 +1301,8 @@ class _WatchLog:
             out["error"] = "%s: %s" % (self.path, err.strerror or err)
             return out
         self.pos += len(chunk)
+        if chunk:
+            self.proof = (self.proof + chunk)[-self.PROOF:]
         data = self.partial + chunk
         end = data.rfind(b"\n") + 1
         self.partial = data[end:]
@@ -1355,16 +1397,18 @@ class _WatchGpus:
 
 
 def _watch_release(ctx):
-    """The release in force as the deploy code records it (workdir/releases/current), if any."""
-    link = ctx.path("releases", "current")
-    if os.path.islink(link):
-        target = os.path.realpath(link)
-        manifest = _read_json(os.path.join(target, "manifest.json")) or {}
-        return dict(manifest, id=manifest.get("id") or os.path.basename(target))
-    data = _read_json(link) if os.path.isfile(link) else None
-    if isinstance(data, dict):
-        return data
-    return None
+    """The manifest of the release in force: workdir/current names it (see the patch section)."""
+    try:
+        with open(ctx.path("current")) as f:
+            release_id = f.read().strip()
+    except OSError:
+        return None
+    if not release_id or "/" in release_id or release_id.startswith("."):
+        return None
+    manifest = _read_json(ctx.path("releases", release_id, "manifest.json")) or {}
+    out = {k: manifest.get(k) for k in ("strategy", "threshold", "sglang_version", "created", "who", "state")}
+    out["id"] = release_id
+    return out
 
 
 def _watch_lock(ctx):
@@ -1457,6 +1501,7 @@ import signal  # noqa: E402
 import threading  # noqa: E402
 import http.client  # noqa: E402
 import uuid  # noqa: E402
+import errno  # noqa: E402
 
 SERVER_PIDFILE = "server.json"
 SERVER_LOG = "server.log"
@@ -1607,6 +1652,12 @@ def _lc_describe(pid):
     return {"pid": pid, "cmdline": cmdline(pid)}
 
 
+def _lc_is_recorded(pid, rec):
+    """The live pid runs the recorded command line, or (retitled by setproctitle) carries our marker."""
+    return _lc_argv_matches(cmdline(pid), rec.get("argv") or []) or bool(
+        rec.get("marker") and _lc_has_marker(pid, rec["marker"]))
+
+
 def _lc_leftovers(table, rec):
     """Live processes of a previous server that is gone: its session and whatever carries its marker.
 
@@ -1619,7 +1670,7 @@ def _lc_leftovers(table, rec):
     lead = table.get(old)
     # a zombie cannot be a recycled pid; a live process must be the very one we started
     session_ours = lead is None or (lead["start"] == start and (
-        lead["state"] in ("Z", "X") or _lc_argv_matches(cmdline(old), rec.get("argv") or [])))
+        lead["state"] in ("Z", "X") or _lc_is_recorded(old, rec)))
     found = {}
     for p, st in table.items():
         if st["state"] in ("Z", "X") or st["start"] < start or (p == old and not session_ours):
@@ -1645,7 +1696,7 @@ def locate_server(ctx):
             note = "stopped"
         elif st is None or st["state"] in ("Z", "X"):
             note = "stale: pid %d is gone" % pid
-        elif st["start"] != rec.get("pid_start") or not _lc_argv_matches(cmdline(pid), rec.get("argv") or []):
+        elif st["start"] != rec.get("pid_start") or not _lc_is_recorded(pid, rec):
             note = "stale: pid %d now belongs to another process (%s)" % (pid, " ".join(cmdline(pid))[:120])
         else:
             note = "ok"
@@ -1738,21 +1789,52 @@ def nvidia_smi_path(ctx):
     return shutil.which("nvidia-smi", path=server_env(ctx).get("PATH"))
 
 
-def gpu_compute_pids(smi):
-    """Pids nvidia-smi lists as compute processes holding GPU memory; None when it cannot say."""
+def gpu_compute_pids(smi, env=None):
+    """{pid: used MiB} of the compute processes nvidia-smi lists; None when it cannot say."""
     try:
-        proc = subprocess.run([smi, "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                              capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL)
+        proc = subprocess.run([smi, "--query-compute-apps=" + _LC_APPS_QUERY, "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL, env=env)
     except (OSError, subprocess.TimeoutExpired):
         return None
-    if proc.returncode != 0:
-        return None
+    return parse_compute_apps(proc.stdout) if proc.returncode == 0 else None
+
+
+# The same query as dynctl.metrics.APPS_QUERY; uuid and pid come before the process name, which may hold commas.
+_LC_APPS_QUERY = "gpu_uuid,pid,process_name,used_memory"
+
+
+def parse_compute_apps(text):
+    """{pid: used MiB or None} from `--query-compute-apps=gpu_uuid,pid,process_name,used_memory` (noheader, nounits)."""
     pids = {}
-    for line in proc.stdout.splitlines():
+    for line in text.splitlines():
         parts = [p.strip() for p in line.split(",")]
-        if parts and parts[0].isdigit():
-            pids[int(parts[0])] = parts[1] if len(parts) > 1 else None
+        if len(parts) >= 4 and parts[1].isdigit():
+            try:
+                pids[int(parts[1])] = float(parts[-1])
+            except ValueError:  # [N/A] in some containers and MIG setups
+                pids[int(parts[1])] = None
     return pids
+
+
+def _lc_port_bindable(port):
+    """No listener holds port on any address: a bind (never a listen) succeeds. ~50 us, where reading
+    /proc/net/tcp or scanning every process's fds takes 10-20 ms."""
+    for family, addr in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
+        try:
+            s = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:  # no IPv6 here
+            continue
+        try:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is not "held"
+            if family == socket.AF_INET6:
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            s.bind((addr, port))
+        except OSError as err:
+            if err.errno == errno.EADDRINUSE:
+                return False
+        finally:
+            s.close()
+    return True
 
 
 def _lc_signal(ctx, pid, start, sig, why):
@@ -1815,7 +1897,7 @@ def stop_server(ctx, grace=60.0, port_timeout=30.0, gpu_timeout=60.0):
                 "port_owner": _lc_describe(loc["foreign"][0]) if loc["foreign"] else None}
     ctx.changed = True
     smi = nvidia_smi_path(ctx)
-    gpu_before = gpu_compute_pids(smi) if smi else None
+    gpu_before = gpu_compute_pids(smi, server_env(ctx)) if smi else None
     tree = dict(loc["tree"])
     tree.update(leftovers)
     out = {"stopped": True, "pid": server["pid"] if server else None, "source": server["source"] if server else None,
@@ -1829,7 +1911,7 @@ def stop_server(ctx, grace=60.0, port_timeout=30.0, gpu_timeout=60.0):
         t_term = time.monotonic()
         _lc_signal(ctx, pid, start, signal.SIGTERM, "stop: drain")
         gone = lambda: _lc_reap(pid) is not None or not _lc_same(pid, start)  # noqa: E731
-        if not _lc_wait_until(gone, grace, 0.05):
+        if not _lc_wait_until(gone, grace, 0.01):
             out["escalated"] = True
             _lc_signal(ctx, pid, start, signal.SIGKILL, "stop: grace %gs over" % grace)
             if not _lc_wait_until(gone, 10.0):
@@ -1849,22 +1931,28 @@ def stop_server(ctx, grace=60.0, port_timeout=30.0, gpu_timeout=60.0):
         desc = _lc_describe(p)
         if _lc_signal(ctx, p, s, signal.SIGKILL, "stop: sweep survivor of the server"):
             out["swept"].append(desc)
-    if not _lc_wait_until(lambda: not any(_lc_same(p, s) for p, s in survivors.items()), 10.0):
+    if not _lc_wait_until(lambda: not any(_lc_same(p, s) for p, s in survivors.items()), 10.0, 0.005):
         left = [p for p, s in survivors.items() if _lc_same(p, s)]
         raise AgentError("processes of the old server survived SIGKILL: %s" % ", ".join(map(str, left)))
     t_swept = time.monotonic()
 
-    def port_settled():
-        held = listening_pids(ctx.port)
-        return (not held and not port_in_use(ctx.port)) or any(p not in tree for p in held)
+    foreign, scanned = [], [0.0]
 
-    if _lc_wait_until(port_settled, port_timeout):
-        foreign = [p for p in listening_pids(ctx.port) if p not in tree]
-        if foreign:
-            out["warnings"].append("port %d was taken by a process dynctl does not manage: pid %d (%s)"
-                                   % (ctx.port, foreign[0], " ".join(cmdline(foreign[0]))[:120]))
-    else:
+    def port_settled():
+        if not port_in_use(ctx.port) and _lc_port_bindable(ctx.port):  # cheap: no pid scan once free
+            return True
+        if time.monotonic() - scanned[0] < 0.1:  # who holds it: a scan of every process, so not too often
+            return False
+        scanned[0] = time.monotonic()
+        held = listening_pids(ctx.port)
+        foreign[:] = [p for p in held if p not in tree]
+        return bool(foreign) or (not held and not port_in_use(ctx.port))
+
+    if not _lc_wait_until(port_settled, port_timeout, 0.005):
         raise AgentError("port %d is still in use %gs after the server exited" % (ctx.port, port_timeout))
+    if foreign:
+        out["warnings"].append("port %d was taken by a process dynctl does not manage: pid %d (%s)"
+                               % (ctx.port, foreign[0], " ".join(cmdline(foreign[0]))[:120]))
     t_port = time.monotonic()
     out["timings"]["exit_to_port_free_s"] = round(t_port - t_exit, 4)
     out["timings"]["sweep_s"] = round(t_swept - t_exit, 4)
@@ -1893,14 +1981,14 @@ def _lc_wait_gpu_released(ctx, smi, before, tree, timeout, t_exit, out):
     still = held_before
     deadline = time.monotonic() + timeout
     while True:
-        now = gpu_compute_pids(smi)
+        now = gpu_compute_pids(smi, server_env(ctx))
         still = sorted(p for p in (now or {}) if p in tree) if now is not None else still
         if now is not None and not still:
             break
         if time.monotonic() >= deadline:
             raise AgentError("GPU memory is still held by pid(s) %s of the old server %gs after it exited"
                              % (", ".join(map(str, still)), timeout))
-        time.sleep(0.2)
+        time.sleep(0.05)  # one query takes ~20 ms on an H200
     elapsed = round(time.monotonic() - t_exit, 4)
     out["timings"]["exit_to_gpu_released_s"] = elapsed
     journal(ctx, "stop.gpu_released", held_before=held_before, after_exit_s=elapsed)
@@ -1952,6 +2040,8 @@ def start_server(ctx, argv, env=None, release=None):
     full_env = server_env(ctx)
     full_env.update({k: os.path.expandvars(v) for k, v in env.items()})
     full_env[SERVER_MARKER_ENV] = marker
+    home = os.path.expanduser("~")
+    cwd = home if os.path.isdir(home) else ctx.workdir  # relative paths in args resolve as in a login shell
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     with os.fdopen(fd, "ab") as log:
         log.write(("==== dynctl start %s by %s release=%s argv=%s\n"
@@ -1962,7 +2052,7 @@ def start_server(ctx, argv, env=None, release=None):
             # own session: not tied to the SSH channel, killable as a whole; stdin closed so
             # nothing waits on us, stdout/stderr to the log so sshd sees EOF at once
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                    env=full_env, cwd=os.path.expanduser("~"), start_new_session=True,
+                                    env=full_env, cwd=cwd, start_new_session=True,
                                     close_fds=True)
         except OSError as err:
             journal(ctx, "start.failed", argv=argv, error=str(err))
@@ -2039,12 +2129,16 @@ def wait_ready(ctx, ready_timeout=900.0, generate=True, poll=0.1):
     """Yield progress until the server answers; the last item is {"event": "ready"} or {"event": "failed"}."""
     rec = _lc_pidfile(ctx)
     if not rec or not rec.get("pid") or rec.get("stopped"):
-        yield {"event": "failed", "reason": "not started", "message": "no server was started (no pidfile in %s)"
-               % ctx.workdir, "log_tail": []}
+        why = "the last server was stopped at %s" % rec["stopped"] if rec and rec.get("stopped") else "no pidfile"
+        yield {"event": "failed", "reason": "not started", "message": "no server is starting in %s (%s)"
+               % (ctx.workdir, why), "log_tail": []}
         return
     pid, start, log_path = int(rec["pid"]), rec.get("pid_start"), rec.get("log") or ctx.path(SERVER_LOG)
     host = _lc_probe_host(rec.get("argv"))
     offset, partial, probe, last_yield = int(rec.get("log_offset") or 0), b"", None, time.monotonic()
+    if rec.get("ready_at"):  # it was ready once: tracebacks logged while serving are not a failed start
+        with contextlib.suppress(OSError):
+            offset = os.path.getsize(log_path)
     t0 = time.monotonic()
     last_detail, next_probe = "not probed yet", t0
     journal(ctx, "ready.wait", pid=pid, timeout=ready_timeout)
@@ -2071,7 +2165,8 @@ def wait_ready(ctx, ready_timeout=900.0, generate=True, poll=0.1):
             parts = data.split(b"\n")
             partial = parts.pop()
             lines = [p.decode("utf-8", "replace") for p in parts]
-            traceback = any(ln.startswith("Traceback (most recent call last)") for ln in lines)
+            # sglang logs it behind a prefix: "[... TP0] Scheduler hit an exception: Traceback (most ..."
+            traceback = any("Traceback (most recent call last)" in ln for ln in lines)
         if lines:
             last_yield = time.monotonic()
             yield {"event": "log", "lines": lines}
@@ -2090,6 +2185,7 @@ def wait_ready(ctx, ready_timeout=900.0, generate=True, poll=0.1):
             if result.get("ready"):
                 elapsed = round(time.monotonic() - t0, 3)
                 journal(ctx, "ready.ok", pid=pid, elapsed=elapsed)
+                _lc_mark_pidfile(ctx, {"pid": pid}, ready_at=now_iso())
                 yield {"event": "ready", "pid": pid, "elapsed": elapsed, "generate": result.get("generate")}
                 return
             # probe often while a start is young (a fast server's readiness is seen at once), then back off
@@ -2206,7 +2302,9 @@ def verb_server_restart(ctx, argv=None, env=None, release=None, grace=60, ready_
         with _lc_hangup_shield():
             if argv is None:  # the last start, as recorded (the pidfile is 0600: env values may be secret)
                 rec = _lc_pidfile(ctx) or {}
-                argv, env = rec.get("argv"), rec.get("env") if env is None else env
+                argv = rec.get("argv")
+                env = rec.get("env") if env is None else env
+                release = rec.get("release") if release is None else release
                 if not argv:
                     raise AgentError("restart: no argv given and no previous start recorded in %s" % ctx.workdir,
                                      "usage")
@@ -2229,6 +2327,778 @@ def verb_server_logs(ctx, lines=200, **extra):
 def verb_server_logs_follow(ctx, lines=20, max_seconds=None, **extra):
     _lc_no_extra("server_logs_follow", extra)
     return _lc_raise_failed(follow_server_log(ctx, int(lines), None if max_seconds is None else float(max_seconds)))
+
+
+# ---- patch (issue 3)
+#
+# Files of the speculation patch are changed as one transaction on the host, and every change is a
+# release that can be reverted byte for byte.
+#
+#   workdir/current                          id of the release in force (absent: none)
+#   workdir/releases/<id>/manifest.json      {id, seq, created, who, sglang_version, strategy, threshold,
+#                                             launch_argv, package_dir, files: [{path, sha256_before,
+#                                             sha256_after}], artifacts, import_check, state}
+#   workdir/releases/<id>/orig/<relpath>     original bytes of each file the release changed (none for
+#                                             files it created: sha256_before is null)
+#   workdir/releases/<id>/<artifact>         files the client asked to keep with the release (the native
+#                                             strategy's adaptive config JSON); "{release_dir}" in
+#                                             launch_argv is replaced by this directory
+#
+# <id> is "<seq:04d>-<UTC time>"; seq grows by one per release. state is "applying" (backups complete,
+# swap under way, or interrupted), "applied", or "reverted". A release may change no file at all (native
+# strategy, or a new threshold on an already patched tree): it still records threshold and launch_argv.
+# `current` is the newest release whose state is "applied". Releases stack: only the one in force can be
+# reverted, so rollback = revert_release(current) + restart with the launch_argv of the new `current`.
+#
+# apply_release() and revert_release() take no lock themselves: the patch_* verbs wrap them in host_lock,
+# and an operation worker that already holds the lock (issue 5) calls them directly.
+
+import signal  # noqa: E402,F811 - this section's own imports stay with it
+import stat  # noqa: E402
+
+PATCH_FLAG = "--speculative-disable-batch-threshold"
+_PT_ID = re.compile(r"^(\d{4,})-\d{8}T\d{6}Z$")
+_PT_ARTIFACT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+
+# py_compile each candidate (the server's interpreter decides what compiles); results name the target
+_PT_COMPILE = r"""
+import json, os, py_compile, sys, tempfile
+out = []
+for cand, target in json.loads(sys.argv[1]):
+    fd, cfile = tempfile.mkstemp(suffix=".pyc")
+    os.close(fd)
+    try:
+        # the candidate's own name: CPython re-reads the error's source line from that file
+        py_compile.compile(cand, cfile=cfile, doraise=True)
+        out.append({"target": target, "ok": True})
+    except py_compile.PyCompileError as e:
+        v = e.exc_value
+        out.append({"target": target, "ok": False, "type": e.exc_type_name,
+                    "msg": getattr(v, "msg", None) or str(v), "lineno": getattr(v, "lineno", None),
+                    "line": ((getattr(v, "text", None) or "").strip().splitlines() or [""])[0][:160]})
+    finally:
+        os.unlink(cfile)
+print(json.dumps(out))
+"""
+
+
+def _pt_target(package_dir, rel):
+    """Absolute path of `rel` inside the sglang package; refuses paths that leave it."""
+    if not isinstance(rel, str) or not rel or rel.startswith("/") or ".." in rel.split("/"):
+        raise AgentError("bad file path %r: expected a path relative to the sglang package" % (rel,), "usage")
+    return os.path.join(package_dir, *rel.split("/"))
+
+
+def _pt_symlink_on_path(package_dir, rel):
+    """The first symlink among the target and its directories below the package dir, else None."""
+    path = package_dir
+    for part in rel.split("/"):
+        path = os.path.join(path, part)
+        if os.path.islink(path):
+            return path
+    return None
+
+
+def _pt_write_bytes(path, data, mode=0o644, exclusive=True):
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_EXCL if exclusive else os.O_TRUNC)
+    fd = os.open(path, flags, mode)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _pt_write_json(path, obj):
+    tmp = "%s.tmp.%d" % (path, os.getpid())
+    _pt_write_bytes(tmp, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode(), 0o600, exclusive=False)
+    os.replace(tmp, path)
+
+
+def _pt_journal(ctx, event, **fields):
+    """Journal a step; a full disk must not stop a transaction half way (the manifest is the record)."""
+    with contextlib.suppress(OSError, AgentError):
+        journal(ctx, event, **fields)
+
+
+def _pt_releases_dir(ctx):
+    return ctx.path("releases")
+
+
+def _pt_manifests(ctx):
+    """All release manifests, newest first."""
+    root = _pt_releases_dir(ctx)
+    found = []
+    for name in os.listdir(root) if os.path.isdir(root) else ():
+        if _PT_ID.match(name):
+            manifest = _read_json(os.path.join(root, name, "manifest.json"))
+            if manifest:
+                found.append(manifest)
+    return sorted(found, key=lambda m: m.get("seq", 0), reverse=True)
+
+
+def _pt_next_id(ctx):
+    seqs = [int(m.group(1)) for m in (_PT_ID.match(n) for n in os.listdir(_pt_releases_dir(ctx))) if m]
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    seq = max(seqs, default=0) + 1
+    return seq, "%04d-%s" % (seq, stamp)
+
+
+def _pt_update_current(ctx):
+    """Point `current` at the newest applied release (or remove it); return that id."""
+    applied = [m for m in _pt_manifests(ctx) if m.get("state") == "applied"]
+    path = ctx.path("current")
+    if applied:
+        tmp = "%s.tmp.%d" % (path, os.getpid())
+        _pt_write_bytes(tmp, (applied[0]["id"] + "\n").encode(), 0o600, exclusive=False)
+        os.replace(tmp, path)
+        return applied[0]["id"]
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    return None
+
+
+def _pt_current(ctx):
+    try:
+        with open(ctx.path("current")) as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+def _pt_sha(path):
+    return sha256_file(path) if os.path.isfile(path) else None
+
+
+def _pt_record_hashes(package_dir, files):
+    """sha256 (hex) of `files` as listed in the installed wheel's RECORD, when there is one."""
+    import base64
+    import csv
+
+    parent = os.path.dirname(package_dir)
+    want = {"sglang/" + rel: rel for rel in files}
+    out = {}
+    for name in os.listdir(parent):
+        if not (name.startswith("sglang-") and name.endswith(".dist-info")):
+            continue
+        try:
+            with open(os.path.join(parent, name, "RECORD"), newline="") as f:
+                for row in csv.reader(f):
+                    if len(row) >= 2 and row[0] in want and row[1].startswith("sha256="):
+                        digest = base64.urlsafe_b64decode(row[1][7:] + "=" * (-len(row[1][7:]) % 4))
+                        out[want[row[0]]] = digest.hex()
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def _pt_sglang(ctx):
+    found = find_sglang(ctx)
+    if not found.get("sglang"):
+        raise AgentError("sglang is not importable by %s" % (found.get("python") or ctx.python), "preflight")
+    return found
+
+
+def _pt_drop_pycache(target):
+    """Remove the compiled copies of `target`, so no stale bytecode outlives a swap."""
+    cache = os.path.join(os.path.dirname(target), "__pycache__")
+    stem = os.path.splitext(os.path.basename(target))[0] + "."
+    dropped = []
+    with contextlib.suppress(FileNotFoundError):
+        for name in os.listdir(cache):
+            if name.startswith(stem) and name.endswith(".pyc") and name.count(".") >= 2:
+                os.unlink(os.path.join(cache, name))
+                dropped.append(name)
+    return dropped
+
+
+@verb("patch_read")
+def patch_read(ctx, files=(), **_):
+    """The sglang found on the host, the text and sha256 of `files`, RECORD hashes, and the releases."""
+    found = _pt_sglang(ctx)
+    package_dir = found["sglang"]["package_dir"]
+    out = {}
+    for rel in files:
+        path = _pt_target(package_dir, rel)
+        link = _pt_symlink_on_path(package_dir, rel)
+        if not os.path.isfile(path):
+            out[rel] = None if link is None else {"text": None, "sha256": None, "symlink": link}
+            continue
+        with open(path, "rb") as f:
+            data = f.read()
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise AgentError("%s is not UTF-8 (byte %d)" % (path, err.start), "preflight")
+        out[rel] = {"text": text, "sha256": hashlib.sha256(data).hexdigest(), "symlink": link}
+    manifests = _pt_manifests(ctx)
+    current = _pt_current(ctx)
+    return {
+        "python": found["python"],
+        "python_version": found["python_version"],
+        "sglang": found["sglang"],
+        "files": out,
+        "record": _pt_record_hashes(package_dir, files),
+        "current": current,
+        "release": next((m for m in manifests if m["id"] == current), None),
+        "incomplete": [m["id"] for m in manifests if m.get("state") == "applying"],
+    }
+
+
+def _pt_import_check(ctx, swapped, timeout):
+    """Run `python -m sglang.launch_server --help` and require the flag.
+
+    Returns {"ran": bool, "ok": bool, "detail": str}; ran=False when sglang's dependencies are not
+    importable here (a host without torch, say), which says nothing about the patch.
+    """
+    try:
+        proc = subprocess.run([ctx.python, "-m", "sglang.launch_server", "--help"], capture_output=True,
+                              text=True, timeout=timeout, env=server_env(ctx), stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return {"ran": False, "ok": False, "detail": "import check could not run: %s" % err}
+    if proc.returncode == 0:
+        if PATCH_FLAG in proc.stdout:
+            return {"ran": True, "ok": True, "detail": "launch_server --help lists %s" % PATCH_FLAG}
+        return {"ran": True, "ok": False, "detail": "launch_server --help does not list %s" % PATCH_FLAG}
+    lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
+    last = lines[-1].strip() if lines else "exit code %d" % proc.returncode
+    frames = re.findall(r'^\s*File "([^"]+)", line (\d+)', proc.stderr, re.M)
+    # Ours only when it breaks in a file we swapped; a dependency the host lacks (torch, numpy,
+    # ...) stops the import before any of our code runs and says nothing about the patch.
+    ours = bool(frames) and os.path.realpath(frames[-1][0]) in swapped
+    if ours and last.startswith(("ModuleNotFoundError", "ImportError")):
+        ours = "'sglang" in last or '"sglang' in last
+    if ours:
+        return {"ran": True, "ok": False, "detail": "%s line %s: %s" % (frames[-1][0], frames[-1][1], last)}
+    return {"ran": False, "ok": False, "detail": "import check could not run: %s" % last}
+
+
+def _pt_restore(ctx, release_dir, entry, package_dir):
+    """Put one file back as it was before the release (byte for byte), or remove a created file."""
+    target = _pt_target(package_dir, entry["path"])
+    if entry["sha256_before"] is None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(target)
+    else:
+        backup = os.path.join(release_dir, "orig", *entry["path"].split("/"))
+        with open(backup, "rb") as f:
+            data = f.read()
+        if hashlib.sha256(data).hexdigest() != entry["sha256_before"]:
+            raise AgentError("backup %s does not match its recorded sha256; %s left as is" % (backup, target),
+                             "failed")
+        tmp = os.path.join(os.path.dirname(target), ".%s.dynctl-restore.%d" % (os.path.basename(target),
+                                                                             os.getpid()))
+        _pt_write_bytes(tmp, data, entry.get("mode") or 0o644)
+        os.chmod(tmp, entry.get("mode") or 0o644)  # not narrowed by the umask
+        if entry.get("uid") is not None and os.geteuid() == 0:
+            os.chown(tmp, entry["uid"], entry["gid"])
+        os.replace(tmp, target)
+        if sha256_file(target) != entry["sha256_before"]:
+            raise AgentError("%s does not match its original sha256 after restore" % target, "failed")
+    _pt_drop_pycache(target)
+
+
+def apply_release(ctx, files, sglang_version, strategy="patch", threshold=None, launch_argv=None,
+                  artifacts=None, import_check_timeout=300.0):
+    """Swap in new file texts as one transaction and record a release (caller holds the host lock).
+
+    files: [{path, sha256_before, sha256_after, text}] (paths relative to the sglang package).
+    Order: preflight → candidates written next to targets → py_compile with the host's python →
+    originals backed up → manifest (state applying) → os.replace each → stale __pycache__ dropped →
+    import check → manifest (state applied) and `current`. A failure before the swap changes nothing
+    and leaves no release directory; a failure after it restores every original first.
+    """
+    found = _pt_sglang(ctx)
+    package_dir = found["sglang"]["package_dir"]
+    if found["sglang"]["version"] != sglang_version:
+        raise AgentError("sglang here is %s, but the plan was made for %s; plan again"
+                         % (found["sglang"]["version"], sglang_version), "preflight")
+    ctx.ensure_workdir()
+    os.makedirs(_pt_releases_dir(ctx), mode=0o700, exist_ok=True)
+    incomplete = [m["id"] for m in _pt_manifests(ctx) if m.get("state") == "applying"]
+    if incomplete:
+        raise AgentError("release %s was interrupted; run `dynctl patch revert --release %s` first"
+                         % (incomplete[0], incomplete[0]), "preflight")
+    for name in artifacts or {}:
+        if not _PT_ARTIFACT.match(name) or name in ("manifest.json", "orig"):
+            raise AgentError("bad release artifact name %r" % (name,), "usage")
+
+    # -- preflight: every target as the plan saw it, none reached through a symlink
+    entries = []
+    for item in files:
+        rel = item["path"]
+        target = _pt_target(package_dir, rel)
+        link = _pt_symlink_on_path(package_dir, rel)
+        if link is not None:
+            raise AgentError("%s is a symlink (to %s): refusing to patch through it; nothing was changed"
+                             % (link, os.path.realpath(link)), "preflight")
+        now = _pt_sha(target)
+        if now != item["sha256_before"]:
+            raise AgentError("%s changed since it was read (sha256 %s, expected %s); nothing was changed"
+                             % (target, now, item["sha256_before"]), "preflight")
+        data = item["text"].encode("utf-8")
+        if hashlib.sha256(data).hexdigest() != item["sha256_after"]:
+            raise AgentError("%s: the new text does not match its sha256_after" % rel, "usage")
+        entries.append({"path": rel, "target": target, "data": data, "sha256_before": item["sha256_before"],
+                        "sha256_after": item["sha256_after"]})
+    _pt_journal(ctx, "patch.apply.begin", sglang_version=sglang_version, strategy=strategy, threshold=threshold,
+            files=[e["path"] for e in entries])
+
+    candidates = []
+
+    def drop_candidates():
+        for e in candidates:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(e["candidate"])
+
+    # -- candidates next to their targets, same mode (and owner, when we may)
+    try:
+        for e in entries:
+            target = e["target"]
+            e["candidate"] = os.path.join(os.path.dirname(target),
+                                          ".%s.dynctl-new.%d" % (os.path.basename(target), os.getpid()))
+            st = os.stat(target) if e["sha256_before"] is not None else None
+            e["mode"], e["uid"], e["gid"] = ((stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid) if st
+                                             else (0o644, None, None))
+            _pt_write_bytes(e["candidate"], e["data"], e["mode"])
+            candidates.append(e)
+            os.chmod(e["candidate"], e["mode"])  # not narrowed by the umask
+            if st is not None and os.geteuid() == 0:
+                os.chown(e["candidate"], st.st_uid, st.st_gid)
+    except OSError as err:
+        drop_candidates()
+        _pt_journal(ctx, "patch.apply.refused", step="candidates", error=str(err))
+        raise AgentError("cannot write next to %s: %s; nothing was changed" % (e["target"], err.strerror or err),
+                         "preflight")
+    _pt_journal(ctx, "patch.candidates.written", files=[e["path"] for e in entries])
+
+    # -- compile with the server's interpreter
+    if entries:
+        rc, out, err = run_python(ctx, _PT_COMPILE, json.dumps([[e["candidate"], e["target"]] for e in entries]),
+                                  timeout=120)
+        if rc != 0:
+            drop_candidates()
+            raise AgentError("py_compile with %s failed: %s; nothing was changed" % (ctx.python, err.strip()[-500:]),
+                             "preflight")
+        bad = [r for r in json.loads(out.strip().splitlines()[-1]) if not r["ok"]]
+        if bad:
+            drop_candidates()
+            first = bad[0]
+            _pt_journal(ctx, "patch.apply.refused", step="py_compile", errors=bad)
+            raise AgentError("candidate for %s does not compile with %s: line %s: %s: %s%s; nothing was changed"
+                             % (first["target"], ctx.python, first["lineno"], first["type"], first["msg"],
+                                " (%s)" % first["line"] if first["line"] else ""), "preflight", compile_errors=bad)
+        _pt_journal(ctx, "patch.candidates.compiled", files=[e["path"] for e in entries])
+
+    # -- back up the originals into a new release directory, then the manifest
+    seq, release_id = _pt_next_id(ctx)
+    release_dir = os.path.join(_pt_releases_dir(ctx), release_id)
+    manifest = {
+        "id": release_id, "seq": seq, "created": now_iso(), "who": ctx.who, "client": ctx.client.get("hostname"),
+        "sglang_version": sglang_version, "package_dir": package_dir, "python": ctx.python, "strategy": strategy,
+        "threshold": threshold,
+        "launch_argv": None if launch_argv is None else [str(a).replace("{release_dir}", release_dir)
+                                                          for a in launch_argv],
+        "files": [{"path": e["path"], "sha256_before": e["sha256_before"], "sha256_after": e["sha256_after"],
+                   "mode": e["mode"], "uid": e["uid"], "gid": e["gid"]} for e in entries],
+        "artifacts": sorted(artifacts or {}), "import_check": None, "state": "applying",
+    }
+    try:
+        os.makedirs(release_dir, mode=0o700)
+        for e in entries:
+            if e["sha256_before"] is None:
+                continue
+            backup = os.path.join(release_dir, "orig", *e["path"].split("/"))
+            os.makedirs(os.path.dirname(backup), mode=0o700, exist_ok=True)
+            with open(e["target"], "rb") as f:
+                original = f.read()
+            if hashlib.sha256(original).hexdigest() != e["sha256_before"]:
+                raise AgentError("%s changed during the backup; nothing was changed" % e["target"], "preflight")
+            _pt_write_bytes(backup, original, 0o600)
+            if sha256_file(backup) != e["sha256_before"]:
+                raise AgentError("backup of %s does not read back intact; nothing was changed" % e["target"], "failed")
+        for name, text in (artifacts or {}).items():
+            _pt_write_bytes(os.path.join(release_dir, name), text.encode("utf-8"), 0o600)
+        _pt_write_json(os.path.join(release_dir, "manifest.json"), manifest)
+    except (OSError, AgentError) as err:
+        drop_candidates()
+        shutil.rmtree(release_dir, ignore_errors=True)
+        _pt_journal(ctx, "patch.apply.failed", step="backup", release=release_id, error=str(err))
+        if isinstance(err, AgentError):
+            raise
+        raise AgentError("cannot back up the originals into %s: %s; nothing was swapped and no release was "
+                         "kept" % (release_dir, err.strerror or err), "failed")
+    _pt_journal(ctx, "patch.backup.done", release=release_id, dir=release_dir)
+
+    # -- swap; from here on a failure puts every original back
+    swapped = []
+
+    def roll_back(reason):
+        problems = []
+        for e in reversed(swapped):
+            try:
+                _pt_restore(ctx, release_dir, e, package_dir)
+            except (OSError, AgentError) as err:
+                problems.append("%s: %s" % (e["target"], err))
+        drop_candidates()
+        if not problems:
+            shutil.rmtree(release_dir, ignore_errors=True)
+        _pt_journal(ctx, "patch.apply.rolled_back", release=release_id, reason=reason, problems=problems)
+        if problems:
+            raise AgentError("%s; rolling back FAILED for %s (backups kept in %s)"
+                             % (reason, "; ".join(problems), release_dir), "failed")
+        raise AgentError("%s; every original was restored" % reason, "failed")
+
+    dropped = []
+    try:
+        for e in entries:
+            os.replace(e["candidate"], e["target"])
+            swapped.append(e)
+            candidates.remove(e)
+            _pt_journal(ctx, "patch.swap.file", release=release_id, path=e["path"], sha256=e["sha256_after"])
+            ctx.changed = True
+            dropped += _pt_drop_pycache(e["target"])
+    except OSError as err:
+        roll_back("swapping %s failed: %s" % (e["target"], err.strerror or err))
+    if dropped:
+        _pt_journal(ctx, "patch.pycache.dropped", release=release_id, files=dropped)
+
+    check = None
+    if entries and strategy == "patch":
+        check = _pt_import_check(ctx, {os.path.realpath(e["target"]) for e in swapped}, import_check_timeout)
+        _pt_journal(ctx, "patch.import_check", release=release_id, **check)
+        if check["ran"] and not check["ok"]:
+            roll_back("the patched sglang does not start: %s" % check["detail"])
+
+    manifest["import_check"] = check
+    manifest["state"] = "applied"
+    manifest["applied"] = now_iso()
+    try:
+        _pt_write_json(os.path.join(release_dir, "manifest.json"), manifest)
+        current = _pt_update_current(ctx)
+    except OSError as err:
+        roll_back("cannot record release %s: %s" % (release_id, err.strerror or err))
+    ctx.changed = True
+    _pt_journal(ctx, "patch.apply.done", release=release_id, files=len(entries), current=current)
+    return {"release": release_id, "release_dir": release_dir, "current": current, "manifest": manifest,
+            "import_check": check, "pycache_dropped": dropped}
+
+
+def revert_release(ctx, release=None):
+    """Restore the originals of a release byte for byte (caller holds the host lock).
+
+    release None: the one in force. Idempotent: an already reverted release is reported, not touched.
+    Every file is checked before the first is touched, so a refusal changes nothing.
+    """
+    manifests = _pt_manifests(ctx)
+    if release is None:
+        release = _pt_current(ctx)
+        pending = [m for m in manifests if m.get("state") == "applying"]
+        if pending:
+            release = pending[0]["id"]
+        if release is None:
+            raise AgentError("no release is in force: nothing to revert", "preflight")
+    manifest = next((m for m in manifests if m["id"] == release), None)
+    if manifest is None:
+        raise AgentError("no release %s here (known: %s)" % (release,
+                         ", ".join(m["id"] for m in manifests) or "none"), "usage")
+    if manifest.get("state") == "reverted":
+        return {"release": release, "reverted": False, "already": True, "current": _pt_current(ctx), "files": []}
+    newer = [m["id"] for m in manifests
+             if m.get("seq", 0) > manifest.get("seq", 0) and m.get("state") in ("applied", "applying")]
+    if newer:
+        raise AgentError("release %s is not the newest in force (%s is); revert that first"
+                         % (release, newer[0]), "preflight")
+    package_dir = manifest["package_dir"]
+    release_dir = os.path.join(_pt_releases_dir(ctx), release)
+    todo = []
+    for entry in manifest["files"]:
+        target = _pt_target(package_dir, entry["path"])
+        now = _pt_sha(target)
+        if now == entry["sha256_before"]:
+            continue  # an interrupted apply never got this far
+        if now != entry["sha256_after"]:
+            raise AgentError("%s was modified after release %s was applied (sha256 %s); nothing was reverted"
+                             % (target, release, now), "preflight")
+        if entry["sha256_before"] is not None and not os.path.isfile(
+                os.path.join(release_dir, "orig", *entry["path"].split("/"))):
+            raise AgentError("release %s has no backup of %s; nothing was reverted" % (release, entry["path"]),
+                             "failed")
+        todo.append(entry)
+    _pt_journal(ctx, "patch.revert.begin", release=release, files=[e["path"] for e in todo])
+    restored = []
+    for entry in todo:
+        try:
+            _pt_restore(ctx, release_dir, entry, package_dir)
+        except OSError as err:
+            raise AgentError("restoring %s failed: %s (restored so far: %s)"
+                             % (entry["path"], err.strerror or err, ", ".join(restored) or "none"), "failed")
+        restored.append(entry["path"])
+        ctx.changed = True
+        _pt_journal(ctx, "patch.revert.file", release=release, path=entry["path"], sha256=entry["sha256_before"])
+    for entry in manifest["files"]:  # candidates an interrupted apply left behind
+        target = _pt_target(package_dir, entry["path"])
+        prefix = ".%s.dynctl-new." % os.path.basename(target)
+        with contextlib.suppress(OSError):
+            for name in os.listdir(os.path.dirname(target)):
+                if name.startswith(prefix):
+                    os.unlink(os.path.join(os.path.dirname(target), name))
+    manifest["state"] = "reverted"
+    manifest["reverted"] = now_iso()
+    manifest["reverted_by"] = ctx.who
+    _pt_write_json(os.path.join(release_dir, "manifest.json"), manifest)
+    current = _pt_update_current(ctx)
+    ctx.changed = True
+    _pt_journal(ctx, "patch.revert.done", release=release, current=current)
+    return {"release": release, "reverted": True, "already": False, "current": current, "files": restored}
+
+
+@contextlib.contextmanager
+def _pt_no_hangup():
+    """A dropped SSH channel must not stop a swap or a restore half way."""
+    old = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGHUP, old)
+
+
+@verb("patch_apply")
+def patch_apply(ctx, files, sglang_version, strategy="patch", threshold=None, launch_argv=None, artifacts=None,
+                import_check_timeout=300.0, **_):
+    with host_lock(ctx, "patch apply"), _pt_no_hangup():
+        return apply_release(ctx, files, sglang_version, strategy, threshold, launch_argv, artifacts,
+                             float(import_check_timeout))
+
+
+@verb("patch_revert")
+def patch_revert(ctx, release=None, all=False, **_):
+    """Revert the release in force (or `release`); all=True reverts every applied release, newest first."""
+    with host_lock(ctx, "patch revert"), _pt_no_hangup():
+        if not all:
+            return {"reverted": [revert_release(ctx, release)], "current": _pt_current(ctx)}
+        done = []
+        while True:
+            pending = [m for m in _pt_manifests(ctx) if m.get("state") in ("applied", "applying")]
+            if not pending:
+                break
+            done.append(revert_release(ctx, pending[0]["id"]))
+        return {"reverted": done, "current": _pt_current(ctx)}
+
+
+@verb("releases")
+def list_releases(ctx, **_):
+    """Release manifests, newest first, and the id in force."""
+    return {"current": _pt_current(ctx), "releases": _pt_manifests(ctx)}
+
+
+# ---- deploy (issue 5)
+#
+# deploy and rollback are operations (see "operations"): one detached worker on the host runs the whole
+# critical sequence, so the host ends on the old or the new release whatever happens to the connection.
+#
+#   deploy:   recover an interrupted release → validate + back up + switch (apply_release: nothing is
+#             touched unless every candidate compiles) → stop the old server → start the new argv →
+#             health gate → read the threshold back from /server_info. Any failure after the switch:
+#             revert the release, start the previous argv, health-gate it, report "rolled back to R".
+#   rollback: revert every release newer than the target (default: the one before the release in
+#             force; "baseline" = no release) → stop whatever runs → start the target's argv → gate.
+#             A second rollback right after the first stays where it is (workdir/state.json says so).
+
+STATE_FILE = "state.json"
+BASELINE = "baseline"
+
+
+def _dp_state(ctx):
+    return _read_json(ctx.path(STATE_FILE)) or {}
+
+
+def _dp_set_state(ctx, **fields):
+    state = _dp_state(ctx)
+    state.update(fields)
+    state["updated"] = now_iso()
+    _replace_json(ctx.path(STATE_FILE), state)
+
+
+def server_info(ctx, timeout=5.0):
+    """GET /server_info from the managed server on this host, as a dict (or None when it does not answer)."""
+    try:
+        status, body = _lc_http("127.0.0.1", ctx.port, "GET", "/server_info", timeout=timeout)
+    except (OSError, http.client.HTTPException):
+        return None
+    if status != 200:
+        return None
+    try:
+        return json.loads(body)
+    except ValueError:
+        return None
+
+
+def threshold_in_force(info):
+    """The runtime threshold: internal_states[0] carries runtime updates, top-level keys are static."""
+    if not info:
+        return None
+    states = info.get("internal_states") or []
+    if states and isinstance(states[0], dict) and "speculative_disable_batch_threshold" in states[0]:
+        return states[0]["speculative_disable_batch_threshold"]
+    return info.get("speculative_disable_batch_threshold")
+
+
+def _dp_gate(ctx, oplog, argv, release, ready_timeout):
+    """Start argv and wait until it serves; raise AgentError with the log tail when it does not."""
+    with oplog.step("start", " ".join(argv)):
+        started = start_server(ctx, argv, release=release)
+        oplog.emit("info", text="server pid %s" % started.get("pid"))
+    with oplog.step("health", "waiting for /health_generate and one /generate"):
+        for item in wait_ready(ctx, ready_timeout=ready_timeout):
+            if item.get("event") == "log":
+                for line in item["lines"]:
+                    oplog.log(line)
+            elif item.get("event") == "waiting":
+                oplog.emit("waiting", seconds=item.get("elapsed"), detail=item.get("detail"))
+            elif item.get("event") == "failed":
+                raise AgentError(item.get("message") or "the server did not become ready", "failed",
+                                 reason=item.get("reason"), log_tail=item.get("log_tail") or [])
+            elif item.get("event") == "ready":
+                return item
+    raise AgentError("the readiness check ended without a verdict", "failed")
+
+
+def _dp_verify(ctx, oplog, strategy, threshold):
+    with oplog.step("verify", "reading the threshold back from /server_info"):
+        info = server_info(ctx)
+        if info is None:
+            raise AgentError("/server_info did not answer after the server became ready", "failed")
+        if strategy == "native":
+            if not info.get("speculative_adaptive"):
+                raise AgentError("the server runs without --speculative-adaptive", "failed")
+            return {"threshold_in_force": threshold, "adaptive_config": info.get("speculative_adaptive_config")}
+        value = threshold_in_force(info)
+        if value != threshold:
+            raise AgentError("the server reports threshold %r, expected %r" % (value, threshold), "failed")
+        return {"threshold_in_force": value}
+
+
+def _dp_recover(ctx, oplog):
+    """An interrupted release (worker killed mid-switch) is reverted before anything else happens."""
+    for m in _pt_manifests(ctx):
+        if m.get("state") == "applying":
+            oplog.warn("release %s was interrupted; reverting it first" % m["id"])
+            revert_release(ctx, m["id"])
+
+
+def _dp_previous_argv(ctx, baseline_argv):
+    current = _pt_current(ctx)
+    if current is None:
+        return None, baseline_argv
+    manifest = next((m for m in _pt_manifests(ctx) if m["id"] == current), {})
+    return current, manifest.get("launch_argv") or baseline_argv
+
+
+@operation("deploy")
+def op_deploy(ctx, oplog, files, sglang_version, strategy, threshold, launch_argv, baseline_argv,
+              artifacts=None, grace=60, ready_timeout=900, **_):
+    _dp_recover(ctx, oplog)
+    previous, previous_argv = _dp_previous_argv(ctx, baseline_argv)
+    running = locate_server(ctx)["server"]
+    with oplog.step("switch", "validate with %s, back up, swap %d file(s)" % (ctx.python, len(files))):
+        applied = apply_release(ctx, files, sglang_version, strategy=strategy, threshold=threshold,
+                                launch_argv=launch_argv, artifacts=artifacts)
+    release = applied["release"]
+    argv = applied["manifest"]["launch_argv"]
+    oplog.emit("info", text="release %s in force (files changed: %d)" % (release, len(files)))
+    try:
+        with oplog.step("stop", "SIGTERM, drain up to %ss, then SIGKILL" % grace):
+            stopped = stop_server(ctx, grace=grace)
+            oplog.emit("info", text=stopped.get("message") or "stopped pid %s" % stopped.get("pid"))
+        ready = _dp_gate(ctx, oplog, argv, release, ready_timeout)
+        verified = _dp_verify(ctx, oplog, strategy, threshold)
+    except AgentError as err:
+        oplog.warn("deploy failed: %s" % err)
+        target = previous or BASELINE
+        rolled = _dp_roll_back_after_failure(ctx, oplog, release, previous_argv, running is not None,
+                                             grace, ready_timeout)
+        raise AgentError("deploy of release %s failed: %s; %s" % (release, err, rolled), "failed",
+                         rolled_back_to=target, failed_release=release,
+                         log_tail=err.extra.get("log_tail") or [])
+    _dp_set_state(ctx, last="deploy", release=release)
+    result = {"release": release, "argv": argv, "previous": previous or BASELINE, "pid": ready.get("pid"),
+              "ready_seconds": ready.get("elapsed")}
+    result.update(verified)
+    return result
+
+
+def _dp_roll_back_after_failure(ctx, oplog, release, previous_argv, was_running, grace, ready_timeout):
+    with oplog.step("rollback", "restoring the previous release"):
+        stop_server(ctx, grace=min(grace, 30))
+        revert_release(ctx, release)
+    if not was_running:
+        return "rolled back to the previous release (the server was not running before; left stopped)"
+    try:
+        _dp_gate(ctx, oplog, previous_argv, _pt_current(ctx), ready_timeout)
+    except AgentError as err:
+        return "rolled back the files, but the previous server did not come back: %s" % err
+    return "rolled back to %s, which is serving again" % (_pt_current(ctx) or BASELINE)
+
+
+@operation("rollback")
+def op_rollback(ctx, oplog, baseline_argv, to=None, grace=60, ready_timeout=900, **_):
+    _dp_recover(ctx, oplog)
+    applied = [m for m in _pt_manifests(ctx) if m.get("state") == "applied"]  # newest first
+    current = applied[0]["id"] if applied else None
+    state = _dp_state(ctx)
+    if to is None:
+        if state.get("last") == "rollback" and state.get("target") == (current or BASELINE):
+            target = current or BASELINE  # rolling back twice stays on the first rollback's target
+            oplog.emit("info", text="already rolled back to %s; making sure it serves" % target)
+        else:
+            target = applied[1]["id"] if len(applied) > 1 else BASELINE
+    else:
+        target = to
+        if target != BASELINE and target not in [m["id"] for m in applied]:
+            known = ", ".join([m["id"] for m in applied] + [BASELINE])
+            raise AgentError("no release %r in force on %s to roll back to (known: %s)"
+                             % (target, ctx.name, known), "usage")
+    newer = [m for m in applied if target == BASELINE or m["seq"] > int(target.split("-")[0])]
+    manifest = next((m for m in applied if m["id"] == target), None)
+    argv = (manifest or {}).get("launch_argv") or baseline_argv
+    loc = locate_server(ctx)
+    healthy = loc["server"] is not None and _lc_health("127.0.0.1", ctx.port) == 200
+    if not newer and healthy and _lc_argv_matches(loc["server"]["argv"], argv):
+        _dp_set_state(ctx, last="rollback", target=target)
+        return {"target": target, "changed": False, "message": "already on %s and serving" % target}
+    with oplog.step("stop", "SIGTERM, drain up to %ss, then SIGKILL" % grace):
+        stop_server(ctx, grace=grace)
+    for m in newer:
+        with oplog.step("revert", "release %s" % m["id"]):
+            revert_release(ctx, m["id"])
+    ready = _dp_gate(ctx, oplog, argv, None if target == BASELINE else target, ready_timeout)
+    _dp_set_state(ctx, last="rollback", target=target)
+    return {"target": target, "changed": True, "reverted": [m["id"] for m in newer], "argv": argv,
+            "pid": ready.get("pid")}
+
+
+@verb("set_threshold")
+def verb_set_threshold(ctx, threshold, **_):
+    """Change the threshold of the running server (/set_internal_state), then read it back."""
+    body = {"server_args": {"speculative_disable_batch_threshold": threshold}}
+    try:
+        status, _body = _lc_http("127.0.0.1", ctx.port, "POST", "/set_internal_state", body=body, timeout=10)
+    except (OSError, http.client.HTTPException) as err:
+        raise AgentError("the server on port %d did not answer /set_internal_state: %s" % (ctx.port, err), "failed")
+    if status != 200:
+        raise AgentError("/set_internal_state answered HTTP %d" % status, "failed")
+    value = threshold_in_force(server_info(ctx))
+    journal(ctx, "threshold.set", requested=threshold, in_force=value)
+    ctx.changed = value == threshold
+    return {"requested": threshold, "in_force": value}
+
+
+@verb("server_info")
+def verb_server_info(ctx, **_):
+    return {"info": server_info(ctx), "state": _dp_state(ctx), "current": _pt_current(ctx)}
 
 
 # ---- main

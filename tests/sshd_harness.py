@@ -17,7 +17,7 @@ import subprocess
 import time
 import uuid
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -190,7 +190,6 @@ class FakeHost:
     host_key_line: str
     tmp: Path
     server: SSHServer
-    _ct_ids: set[int] = field(default_factory=set)
 
     @property
     def target(self) -> str:
@@ -223,9 +222,6 @@ class FakeHost:
     def pct_calls(self) -> list[str]:
         log = self.ct_dir / "calls.log"
         return log.read_text().splitlines() if log.exists() else []
-
-    def known_hosts_line(self) -> str:
-        return self.host_key_line
 
     def write_config(self, path: Path, hosts: Mapping[str, Mapping[str, Any]],
                      default_host: str | None = None, ssh_config: str = "") -> Path:
@@ -308,9 +304,11 @@ def start_fake_host(tmp: Path, *, host: str = "127.0.0.1", client_key: Path | No
                     host_key_line=f"{name} {keytype} {b64}", tmp=tmp, server=server)
 
 
-def connection_owner(port: int, host: str = "127.0.0.1") -> int | None:
-    """The pid whose TCP socket has local address host:port (who opened a connection from that port)."""
+def connection_owner(local_port: int, remote_port: int, host: str = "127.0.0.1") -> int | None:
+    """The pid owning the TCP connection host:local_port -> host:remote_port (both ends are needed:
+    Linux reuses one ephemeral port for connections to different destinations)."""
     for conn in psutil.net_connections(kind="tcp"):
-        if conn.laddr and conn.laddr.port == port and conn.laddr.ip == host and conn.pid:
+        if (conn.laddr and conn.raddr and conn.pid and conn.laddr.port == local_port and conn.laddr.ip == host
+                and conn.raddr.port == remote_port):
             return conn.pid
     return None

@@ -108,6 +108,18 @@ def test_stream_yields_lines_and_exit_status(sshd: FakeHost):
     assert s.stderr == b"warn\n"
 
 
+def test_stream_splits_lines_exactly(sshd: FakeHost):
+    script = "seq 1 50000; head -c 1048576 /dev/zero | tr '\\0' x; echo; printf 'last'"
+    s = sshd.ssh().open_stream(["sh", "-c", script])
+    try:
+        lines = list(s.lines())
+    finally:
+        s.close()
+    assert lines[:50000] == [f"{i}\n".encode() for i in range(1, 50001)]
+    assert lines[50000:] == [b"x" * 1048576 + b"\n", b"last"]
+    assert s.rc == 0
+
+
 def test_stream_close_releases_its_channel(sshd: FakeHost):
     t = sshd.ssh(max_channels=1)
     s = t.open_stream(["sh", "-c", "echo ready; exec sleep 30"])
@@ -142,7 +154,7 @@ def test_concurrent_runs_share_one_connection_and_stay_below_max_sessions(sshd: 
 def test_channel_cap_is_what_keeps_sessions_under_the_limit(sshd_factory):
     small = sshd_factory(max_sessions=3)
     ok = small.ssh(max_channels=3)
-    argv = ["sh", "-c", "sleep 0.5"]
+    argv = ["sh", "-c", "sleep 0.3"]
     outcomes: list[object] = []
     threads = [threading.Thread(target=lambda: outcomes.append(ok.run(argv).rc)) for _ in range(9)]
     for th in threads:
@@ -152,12 +164,12 @@ def test_channel_cap_is_what_keeps_sessions_under_the_limit(sshd_factory):
     assert outcomes == [0] * 9
     # Control: with a cap above the server's MaxSessions, sessions are refused; once that lasts
     # longer than the connect timeout it is reported clearly.
-    too_many = small.ssh(max_channels=6, connect_timeout=0.5)
+    too_many = small.ssh(max_channels=6, connect_timeout=0.3)
     errors: list[Exception] = []
 
     def run_one() -> None:
         try:
-            too_many.run(["sh", "-c", "sleep 2"])
+            too_many.run(["sh", "-c", "sleep 1"])
         except UnreachableError as err:
             errors.append(err)
 
@@ -190,11 +202,13 @@ def test_reconnects_when_the_drop_is_not_yet_noticed(sshd_factory):
 
 def test_one_connection_for_many_threads_connecting_at_once(sshd: FakeHost):
     t = sshd.ssh()
-    threads = [threading.Thread(target=t.run, args=(["true"],)) for _ in range(12)]
+    rcs: list[int] = []
+    threads = [threading.Thread(target=lambda: rcs.append(t.run(["true"]).rc)) for _ in range(12)]
     for th in threads:
         th.start()
     for th in threads:
         th.join(30)
+    assert rcs == [0] * 12
     assert t.connections_opened == 1
 
 
@@ -339,7 +353,7 @@ def test_proxyjump_through_one_jump_host(sshd: FakeHost, sshd_factory, tmp_path:
     assert t.description == f"ssh {sshd.user}@127.0.0.1:{sshd.port} via {jump.user}@127.0.0.2:{jump.port}"
     client_port = int(t.run(["sh", "-c", 'echo "$SSH_CONNECTION"']).out.split()[1])
     # The target's peer is a socket owned by the jump host's sshd session, not by this process.
-    owner = connection_owner(client_port)
+    owner = connection_owner(client_port, sshd.port)
     assert owner in {p.pid for p in jump.server.session_processes()}
 
 
@@ -354,11 +368,12 @@ def test_proxyjump_through_two_hosts(sshd: FakeHost, sshd_factory, tmp_path: Pat
             known_hosts_path=trust(tmp_path / "kh", sshd, j1, j2))
     assert t.run(["echo", "two hops"]).out == b"two hops\n"
     target_peer = int(t.run(["sh", "-c", 'echo "$SSH_CONNECTION"']).out.split()[1])
-    assert connection_owner(target_peer) in {p.pid for p in j2.server.session_processes()}
-    # j2's own peer must be j1: find j2's session and read its client port from its environment-free view.
+    assert connection_owner(target_peer, sshd.port) in {p.pid for p in j2.server.session_processes()}
+    # ...and j2's peer is j1: the client side of every connection into j2 belongs to j1's session.
     j2_peers = {c.raddr.port for p in j2.server.session_processes() for c in p.net_connections("tcp")
                 if c.raddr and c.laddr.port == j2.port}
-    assert any(connection_owner(port) in {p.pid for p in j1.server.session_processes()} for port in j2_peers)
+    j1_sessions = {p.pid for p in j1.server.session_processes()}
+    assert j2_peers and all(connection_owner(port, j2.port) in j1_sessions for port in j2_peers)
 
 
 def test_jump_host_down_names_the_jump_host(sshd: FakeHost, sshd_factory, tmp_path: Path):
@@ -412,7 +427,7 @@ class _Hello(http.server.BaseHTTPRequestHandler):
 
 def test_forward_local_carries_http_keepalive(sshd: FakeHost):
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Hello)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
     t = sshd.ssh()
     try:
         with t.forward_local("127.0.0.1", server.server_address[1]) as (host, port):
@@ -449,3 +464,30 @@ def test_write_config_gives_a_working_host(sshd: FakeHost, tmp_path: Path):
         assert t.run(["echo", "ok"]).out == b"ok\n"
     finally:
         close_all()
+
+
+def test_closing_a_stream_from_another_thread_ends_its_reader(sshd: FakeHost):
+    t = sshd.ssh()
+    s = t.open_stream(["sh", "-c", "echo first; exec sleep 30"])
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.extend(s.lines()))
+    reader.start()
+    assert wait_until(lambda: got == [b"first\n"])
+    s.close()
+    reader.join(5)
+    assert not reader.is_alive()
+    assert s.rc is None  # still running there: no exit status was reported
+
+
+def test_command_that_leaves_a_child_holding_stdout_still_returns(sshd: FakeHost):
+    start = time.monotonic()
+    res = sshd.ssh().run(["sh", "-c", "sleep 8 & echo started"], timeout=20)
+    assert (res.rc, res.out) == (0, b"started\n")
+    assert time.monotonic() - start < 5
+
+
+def test_proxycommand_is_refused_rather_than_bypassed(tmp_path: Path):
+    cfg = write_ssh_config(tmp_path / "ssh_config", "Host boxed\n  HostName 127.0.0.1\n  ProxyCommand nc %h %p\n")
+    t = SSH(SSHTarget("root", "boxed", None), ssh_config_path=cfg, known_hosts_path=str(tmp_path / "kh"))
+    with pytest.raises(ConfigError, match=r"Host boxed: ProxyCommand is not supported by dynctl; use ProxyJump"):
+        t.run(["true"])

@@ -60,7 +60,7 @@ def write_png(series: list[Series], path: str | os.PathLike[str], *, title: str,
     if not series:
         raise UsageError(f"--png {target}: nothing was measured, no chart to draw")
     w, h = size
-    left, right, top, bottom = 80, 30, 56, 64
+    left, right, top, bottom = 80, 30, 70, 64
     img = Image.new("RGB", size, "white")
     draw = ImageDraw.Draw(img)
     font = ImageFont.load_default(size=14)
@@ -78,7 +78,7 @@ def write_png(series: list[Series], path: str | os.PathLike[str], *, title: str,
     def py(v: float) -> float:
         return h - bottom - v / ytop * (h - top - bottom)
 
-    draw.text((left, 18), title, fill="black", font=font)
+    draw.text((left, 12), title, fill="black", font=font)
     y = 0.0
     while y <= ytop + 1e-9:  # horizontal grid and y labels
         draw.line([(left, py(y)), (w - right, py(y))], fill=(225, 225, 225))

@@ -3,7 +3,9 @@
 The patched server speculates while its batch size is <= threshold, and a closed loop of C workers keeps
 the batch near C, so the largest concurrency level below the first level where no-spec wins is the
 threshold: speculation runs only where it was measured to pay. Any value up to the next level measures
-the same; the lower end is the safe one.
+the same; the lower end is the safe one. A level counts as a speculation win only when always-spec beat
+no-spec by more than MIN_GAIN_PCT: inside that band the two are the same measurement, and no speculation
+is the mode that cannot collapse under load.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from dynctl.bench.plan import Mode
+
+MIN_GAIN_PCT = 1.0
 
 
 class _Run(Protocol):
@@ -39,7 +43,7 @@ def recommend(runs: Sequence[_Run]) -> dict[str, Any] | None:
         return None
     threshold, first_loss = 0, None
     for c in levels:
-        if on[c] > off[c]:
+        if on[c] > off[c] * (1 + MIN_GAIN_PCT / 100):
             threshold = c
         else:
             first_loss = c
@@ -49,7 +53,8 @@ def recommend(runs: Sequence[_Run]) -> dict[str, Any] | None:
         notes.append(f"speculation was faster at every measured level; no crossover up to concurrency {levels[-1]}")
     elif threshold == 0:
         notes.append(f"speculation was slower already at concurrency {levels[0]}: threshold 0 turns it off")
-    later_wins = [c for c in levels if first_loss is not None and c > first_loss and on[c] > off[c]]
+    later_wins = [c for c in levels if first_loss is not None and c > first_loss
+                  and on[c] > off[c] * (1 + MIN_GAIN_PCT / 100)]
     if later_wins:
         notes.append(f"speculation won again above the crossover at concurrency {', '.join(map(str, later_wins))}"
                      " (noise? lengthen --duration)")

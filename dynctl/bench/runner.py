@@ -106,9 +106,8 @@ def _run(agent: AgentClient, host: str, plan: BenchPlan, on_event: Callable[[Ben
             for concurrency in plan.concurrency:
                 index += 1
                 on_event(LevelStarted(mode, concurrency, index, total))
-                level = _measure_level(agent, host, plan, mode, concurrency, on_event)
-                level["mode"] = mode.name
-                level["threshold"] = run.threshold_in_force
+                level = {"mode": mode.name, "threshold": run.threshold_in_force,
+                         **_measure_level(agent, host, plan, mode, concurrency, on_event)}
                 run.levels.append(level)
                 _warn_about(level, host, on_event)
                 on_event(LevelDone(mode, level))

@@ -131,14 +131,16 @@ def counter_delta(values: Sequence[float]) -> float:
 
 def summarize_server(samples: Sequence[Mapping[str, Any]], w0: float, w1: float) -> dict[str, Any]:
     """What the server itself reported during the window: batch size, speculation share, accept length."""
-    inside = [s for s in samples if w0 <= s["t"] <= w1]
-    out: dict[str, Any] = {"samples": len(inside)}
+    # Edge samples are scraped right at the window's ends: exact for counters, but a gauge read as the
+    # load stops says little, so gauges come from the periodic samples only.
+    inside = sorted((s for s in samples if s.get("edge") or w0 <= s["t"] <= w1), key=lambda s: s["t"])
+    periodic = [s for s in inside if not s.get("edge")]
+    out: dict[str, Any] = {"samples": len(periodic)}
 
     def mean_of(key: str) -> float | None:
-        vals = [s[key] for s in inside if key in s]
+        vals = [s[key] for s in periodic if key in s]
         return statistics.fmean(vals) if vals else None
 
-    out["mean_batch_size"] = mean_of("running")
     out["mean_queue"] = mean_of("queued")
     out["mean_gen_throughput"] = mean_of("gen_throughput")
     out["threshold"] = inside[-1].get("threshold") if inside else None
@@ -150,7 +152,7 @@ def summarize_server(samples: Sequence[Mapping[str, Any]], w0: float, w1: float)
     if steps > 0 and any("disabled_steps" in s for s in inside):
         share = 1.0 - counter_delta([s.get("disabled_steps", 0.0) for s in inside]) / steps
         source = "sglang:spec_disabled_steps_total"
-    elif any("spec_enabled" in s for s in inside):
+    elif any("spec_enabled" in s for s in periodic):
         share = mean_of("spec_enabled")
         source = "sglang:spec_enabled"
     elif steps > 0 and "passes_decode_none" in steps_by_mode and "accept_length" in {k for s in inside for k in s}:
@@ -159,6 +161,16 @@ def summarize_server(samples: Sequence[Mapping[str, Any]], w0: float, w1: float)
         source = "sglang:cuda_graph_passes_total"
     out["spec_on_share"] = max(0.0, min(1.0, share)) if share is not None else None
     out["spec_on_source"] = source
-    accept = [s["accept_length"] for s in inside if "accept_length" in s and s["accept_length"] > 0]
+    accept = [s["accept_length"] for s in periodic if "accept_length" in s and s["accept_length"] > 0]
     out["accept_length"] = statistics.fmean(accept) if accept else None
+    # The batch of every decode step, from exact per-step counters: decode tokens / steps / tokens per
+    # request per step. The num_running_reqs gauge moves only on log ticks (every 40 steps by default).
+    decode_tokens = counter_delta([s.get("tokens_decode", 0.0) for s in inside])
+    if steps > 0 and decode_tokens > 0:
+        per_request = 1.0 + (out["spec_on_share"] or 0.0) * ((out["accept_length"] or 1.0) - 1.0)
+        out["mean_batch_size"] = decode_tokens / steps / per_request
+        out["batch_source"] = "sglang:realtime_tokens_total{mode=decode} per decode step"
+    else:
+        out["mean_batch_size"] = mean_of("running")
+        out["batch_source"] = "sglang:num_running_reqs" if out["mean_batch_size"] is not None else None
     return out

@@ -5,8 +5,12 @@ from __future__ import annotations
 import typer
 
 from dynctl import __version__
+from dynctl.cli import bench as bench_cli
+from dynctl.cli import deploy as deploy_cli
 from dynctl.cli import hosts as hosts_cli
+from dynctl.cli import lifecycle as lifecycle_cli
 from dynctl.cli import patch as patch_cli
+from dynctl.cli import tui as tui_cli
 
 app = typer.Typer(
     name="dynctl",
@@ -30,7 +34,11 @@ def _root(
     pass
 
 
+deploy_cli.register(app)
 hosts_cli.register(app)
+lifecycle_cli.register(app)
+tui_cli.register(app)
+bench_cli.register(app)
 app.add_typer(patch_cli.app, name="patch")
 
 

@@ -81,7 +81,7 @@ class Plan:
         ]
 
 
-def TARGET_FILES(version: str) -> list[str]:  # noqa: N802 - the name other modules import
+def TARGET_FILES(version: str) -> list[str]:
     """Relative paths (under the sglang package dir) the strategy for `version` touches."""
     return target_files() if strategy_for(version) == "patch" else []
 

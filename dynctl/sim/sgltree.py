@@ -52,6 +52,8 @@ class SglangTree:
         for candidate in (base.with_suffix(".py"), base / "__init__.py"):
             if candidate.is_file():
                 return candidate
+        if base.is_dir():
+            return base  # a namespace package (PEP 420), e.g. srt/mem_cache in 0.5.14
         if base.parent.is_dir() and any(base.parent.glob(base.name + ".*.so")):
             return base.parent
         return None
@@ -196,8 +198,10 @@ def find_line(path: Path, function: str, needle: str) -> tuple[int, str] | None:
         else:
             return None
     for lineno in range(start, end + 1):
-        if needle in lines[lineno - 1]:
-            return lineno, lines[lineno - 1]
+        text = lines[lineno - 1]
+        # A call is wanted, not the definition of the function it calls.
+        if needle in text and not text.lstrip().startswith(("def ", "async def ")):
+            return lineno, text
     return None
 
 

@@ -67,6 +67,8 @@ class LocalForwarder:
             self._open.update((conn, chan))
         try:
             _pump(conn, chan, self._stop)
+        except Exception as err:  # noqa: BLE001 - the tunnel or the connection broke: end this one
+            log.debug("forward %s: %s", self._name, err)
         finally:
             with self._lock:
                 self._open.discard(conn)

@@ -104,8 +104,8 @@ class AcceptNewPolicy(paramiko.MissingHostKeyPolicy):
             raise HostKeyError(
                 f"{self.label}: unknown host key for {hostname}: {key_label(key)} key fingerprint is "
                 f"{fingerprint(key)}. Check it on the host (ssh-keygen -lf /etc/ssh/ssh_host_*_key.pub), "
-                f"then trust it once by setting `accept_new_host_key = true` in this host's [hosts.NAME] "
-                f"section of the dynctl config (it is then stored in {self.store.own_path}), or add it to "
+                f"then trust it once by setting `accept_new_host_key = true` in this host's section "
+                f"(hosts.NAME) of the dynctl config (it is then stored in {self.store.own_path}), or add it to "
                 f"~/.ssh/known_hosts"
             )
         self.store.remember(hostname, key)

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import os
 import select
-import socket
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -20,14 +18,16 @@ from collections.abc import Iterator, Sequence
 import paramiko
 
 from dynctl.config import SSHTarget
-from dynctl.errors import ConfigError, DynctlError, HostKeyError, UnreachableError
+from dynctl.errors import DynctlError, UnreachableError
 from dynctl.transport.base import Result, sh_join
 from dynctl.transport.forward import LocalForwarder
-from dynctl.transport.known_hosts import AcceptNewPolicy, KnownHosts, changed_key_error
+from dynctl.transport.known_hosts import KnownHosts
+from dynctl.transport.ssh_login import Login, login_chain
 from dynctl.transport.ssh_route import Hop, resolve_route
 
 _CHUNK = 1 << 16
 _STDERR_KEEP = 1 << 16  # a stream keeps this much of the end of its stderr for error messages
+_EOF_GRACE = 2.0  # seconds to wait for end of output once the command has exited
 
 
 class SSH:
@@ -42,7 +42,6 @@ class SSH:
         self.max_channels = max_channels
         self.accept_new = accept_new
         self.identity_file = identity_file
-        self.known_hosts = KnownHosts(known_hosts_path)
         self.connections_opened = 0  # SSH logins to the target made by this instance (reconnects included)
         self._lock = threading.RLock()
         self._slots = threading.BoundedSemaphore(max_channels)
@@ -59,6 +58,8 @@ class SSH:
             self.description = f"ssh {hops[-1]}{via}"
         else:
             self.description = f"ssh {target}"
+        self._login = Login(KnownHosts(known_hosts_path), accept_new=accept_new, timeout=connect_timeout,
+                            identity_file=identity_file, description=self.description)
 
     # ---- connection
 
@@ -73,119 +74,11 @@ class SSH:
             if self._route_error is not None:
                 raise self._route_error
             assert self._route is not None
-            self._clients = self._login_chain(self._route)
+            self._clients = login_chain(self._route, self._login)
             self.connections_opened += 1
             transport = self._clients[-1].get_transport()
             assert transport is not None
             return transport
-
-    def _login_chain(self, route: list[Hop]) -> list[paramiko.SSHClient]:
-        clients: list[paramiko.SSHClient] = []
-        sock = None
-        try:
-            for i, hop in enumerate(route):
-                label = self.description if i == len(route) - 1 else f"jump host {hop} (for {self.description})"
-                if i == 0:
-                    sock = self._tcp_connect(hop, label)
-                else:
-                    sock = self._jump_channel(clients[-1], route[i - 1], hop)
-                clients.append(self._login(hop, sock, label))
-                sock = None
-        except BaseException:
-            if sock is not None:
-                with contextlib.suppress(Exception):
-                    sock.close()
-            for c in reversed(clients):
-                c.close()
-            raise
-        return clients
-
-    def _tcp_connect(self, hop: Hop, label: str) -> socket.socket:
-        where = f"{hop.hostname}:{hop.port}"
-        try:
-            sock = socket.create_connection((hop.hostname, hop.port), timeout=self.connect_timeout)
-        except socket.gaierror as err:
-            raise UnreachableError(f"{label}: cannot resolve host name '{hop.hostname}' ({err.strerror})") from None
-        except ConnectionRefusedError:
-            raise UnreachableError(f"{label}: connection refused by {where} (is sshd listening on port "
-                                   f"{hop.port}?)") from None
-        except TimeoutError:
-            raise UnreachableError(f"{label}: no answer from {where} within {self.connect_timeout:g} s "
-                                   "(host down, or a firewall drops the packets)") from None
-        except OSError as err:
-            raise UnreachableError(f"{label}: cannot connect to {where}: {err.strerror or err}") from None
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        return sock
-
-    def _jump_channel(self, gateway: paramiko.SSHClient, via: Hop, hop: Hop) -> paramiko.Channel:
-        transport = gateway.get_transport()
-        assert transport is not None
-        try:
-            return transport.open_channel("direct-tcpip", (hop.hostname, hop.port), ("", 0),
-                                          timeout=self.connect_timeout)
-        except paramiko.ChannelException as err:
-            raise UnreachableError(f"{self.description}: jump host {via} could not connect to "
-                                   f"{hop.hostname}:{hop.port} ({err.text})") from None
-        except (paramiko.SSHException, EOFError, OSError) as err:
-            raise UnreachableError(f"{self.description}: jump host {via} failed to open a tunnel to "
-                                   f"{hop.hostname}:{hop.port}: {err or type(err).__name__}") from None
-
-    def _login(self, hop: Hop, sock: socket.socket | paramiko.Channel, label: str) -> paramiko.SSHClient:
-        keys = self._identity_files(hop)
-        client = paramiko.SSHClient()
-        self.known_hosts.load_into(client)
-        client.set_missing_host_key_policy(AcceptNewPolicy(self.known_hosts, self.accept_new, label))
-        t = self.connect_timeout
-        try:
-            client.connect(hop.hostname, hop.port, username=hop.user, sock=sock, key_filename=keys or None,
-                           look_for_keys=not keys, allow_agent=not hop.identities_only, timeout=t,
-                           banner_timeout=t, auth_timeout=t, channel_timeout=t)
-        except HostKeyError:
-            client.close()
-            raise
-        except paramiko.BadHostKeyException as err:
-            client.close()
-            raise changed_key_error(label, hop.known_hosts_name, self.known_hosts, err.key,
-                                    err.expected_key) from None
-        except paramiko.PasswordRequiredException:
-            client.close()
-            raise UnreachableError(f"{label}: identity file {', '.join(keys)} is passphrase-protected; "
-                                   f"load it into ssh-agent (ssh-add) and try again") from None
-        except paramiko.AuthenticationException:
-            client.close()
-            tried = f"key {', '.join(keys)}" if keys else "ssh-agent and ~/.ssh/id_* keys"
-            raise UnreachableError(f"{label}: authentication failed for user '{hop.user}' (tried {tried}); "
-                                   f"is its public key in ~{hop.user}/.ssh/authorized_keys there?") from None
-        except (paramiko.SSHException, EOFError, OSError) as err:
-            client.close()
-            raise UnreachableError(f"{label}: {self._explain_handshake(err, hop)}") from None
-        transport = client.get_transport()
-        assert transport is not None
-        transport.set_keepalive(30)
-        return client
-
-    def _explain_handshake(self, err: Exception, hop: Hop) -> str:
-        text = str(err)
-        if "banner" in text:
-            return (f"connected to {hop.hostname}:{hop.port} but got no SSH banner within "
-                    f"{self.connect_timeout:g} s (is that port an SSH server?)")
-        if "No authentication methods available" in text:
-            return ("no key to log in with: set identity_file for this host, IdentityFile in ~/.ssh/config, "
-                    "or load a key into ssh-agent")
-        return f"SSH handshake with {hop.hostname}:{hop.port} failed: {text or type(err).__name__}"
-
-    def _identity_files(self, hop: Hop) -> list[str]:
-        found = []
-        for path in hop.identity_files:
-            try:
-                with open(path, "rb"):
-                    found.append(path)
-            except OSError as err:
-                if self.identity_file and path == os.path.expanduser(self.identity_file):
-                    raise ConfigError(f"identity_file {path} for {self.description}: {err.strerror}") from None
-                # ssh_config IdentityFile entries that do not exist are skipped, as OpenSSH does
-        return found
 
     def close(self) -> None:
         with self._lock:
@@ -238,41 +131,38 @@ class SSH:
         if not argv:
             raise ValueError("empty argv")
         command = sh_join(argv)
-        for attempt in (1, 2):
-            transport = self.connect()
-            try:
-                chan = self._open_session(transport)
-            except (paramiko.SSHException, EOFError, OSError) as err:
-                # The connection died since the last use (server restarted, network blip): nothing was
-                # started yet, so one fresh connection is safe.
-                self._forget(transport)
-                if attempt == 1:
-                    continue
-                raise UnreachableError(f"{self.description}: connection lost: {err or type(err).__name__}") from None
-            try:
-                chan.exec_command(command)
-            except (paramiko.SSHException, EOFError, OSError) as err:
-                chan.close()
-                raise UnreachableError(f"{self.description}: could not start {argv[0]}: "
-                                       f"{err or type(err).__name__}") from None
-            return chan
-        raise AssertionError("unreachable")
-
-    def _open_session(self, transport: paramiko.Transport) -> paramiko.Channel:
-        # sshd frees a closed session one turn of its event loop after our CLOSE, so an OPEN sent right
-        # behind it can find MaxSessions still full ("no more sessions"): that refusal is retried.
         deadline = time.monotonic() + self.connect_timeout
-        pause = 0.005
+        pause, reconnected = 0.005, False
         while True:
+            transport = self.connect()
+            chan = None
             try:
-                return transport.open_session(timeout=self.connect_timeout)
-            except paramiko.ChannelException as err:
-                if time.monotonic() + pause > deadline:
-                    raise UnreachableError(
-                        f"{self.description}: sshd refused a new session ({err.text}) for "
-                        f"{self.connect_timeout:g} s; is its MaxSessions below {self.max_channels}?") from None
-                time.sleep(pause)
-                pause = min(pause * 2, 0.1)
+                chan = transport.open_session(timeout=self.connect_timeout)
+                chan.exec_command(command)
+                return chan
+            except (paramiko.SSHException, EOFError, OSError) as err:
+                if chan is not None:
+                    chan.close()
+                reason = getattr(err, "text", None) or str(err) or type(err).__name__
+                # No answer to a channel open means a peer that vanished without a word (paramiko still
+                # calls such a transport active), unlike a refusal, which sshd sends at once.
+                dead = isinstance(err, (EOFError, OSError)) or "Timeout" in reason
+            if dead or not transport.is_active():
+                # The connection died since its last use (sshd restarted, network blip). The session
+                # was refused or never answered, so the command did not start: one reconnect is safe.
+                self._forget(transport)
+                if reconnected:
+                    raise UnreachableError(f"{self.description}: connection lost: {reason}")
+                reconnected = True
+                continue
+            # sshd frees a closed session one turn of its event loop after our CLOSE, so a session opened
+            # right behind it can find MaxSessions still full ("no more sessions"): that refusal, seen at
+            # open or at exec, passes within moments.
+            if time.monotonic() + pause > deadline:
+                raise UnreachableError(f"{self.description}: sshd refused a new session ({reason}) for "
+                                       f"{self.connect_timeout:g} s; is its MaxSessions below {self.max_channels}?")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.1)
 
     def _forget(self, transport: paramiko.Transport) -> None:
         with self._lock:
@@ -281,6 +171,7 @@ class SSH:
 
     def _collect(self, chan: paramiko.Channel, argv: Sequence[str], deadline: float, timeout: float) -> Result:
         out, err = bytearray(), bytearray()
+        exited_at = None
         while True:
             while chan.recv_ready():
                 out += chan.recv(_CHUNK)
@@ -290,10 +181,17 @@ class SSH:
                 if not chan.recv_ready() and not chan.recv_stderr_ready():
                     break
                 continue
-            left = deadline - time.monotonic()
+            now = time.monotonic()
+            if chan.exit_status_ready():
+                # The command exited but something it started still holds stdout open (a server
+                # launched without redirecting its output): return rather than wait for that to end.
+                exited_at = exited_at or now
+                if now - exited_at > _EOF_GRACE:
+                    break
+            left = deadline - now
             if left <= 0:
                 self._timed_out(argv, timeout)
-            select.select([chan], [], [], min(left, 1.0))
+            select.select([chan], [], [], min(left, 0.25))
         if not chan.status_event.wait(max(0.0, deadline - time.monotonic())):
             self._timed_out(argv, timeout)
         rc = chan.exit_status
@@ -363,7 +261,7 @@ class SSHStream:
                     del self._err[:-_STDERR_KEEP]
 
     def lines(self) -> Iterator[bytes]:
-        buf = b""
+        buf = bytearray()
         while True:
             try:
                 data = self._chan.recv(_CHUNK)
@@ -371,12 +269,14 @@ class SSHStream:
                 data = b""
             if not data:
                 break
+            scan, start = len(buf), 0  # only the new bytes can hold a newline not yet seen
             buf += data
-            *complete, buf = buf.split(b"\n")
-            for line in complete:
-                yield line + b"\n"
+            while (end := buf.find(b"\n", scan)) >= 0:
+                yield bytes(buf[start:end + 1])
+                start = scan = end + 1
+            del buf[:start]
         if buf:
-            yield buf
+            yield bytes(buf)
         self._chan.status_event.wait(5)
         self._err_thread.join(5)
 

@@ -64,8 +64,13 @@ def _route(target: SSHTarget, config: paramiko.SSHConfig, where: str, identity_f
         chain = " → ".join([*seen, str(target)])
         raise UnreachableError(f"ProxyJump loop or chain too long in {where}: {chain}")
     hop = _hop(target, config, where, identity_file, is_target=is_target)
-    jump = config.lookup(target.host).get("proxyjump", "none").strip()
+    opts = config.lookup(target.host)
+    jump = opts.get("proxyjump", "none").strip()
     if jump.lower() == "none" or not jump:
+        if opts.get("proxycommand", "none").strip().lower() != "none":
+            # Connecting directly instead would quietly take another path than the user's ssh does.
+            raise ConfigError(f"{where}: Host {target.host}: ProxyCommand is not supported by dynctl; "
+                              "use ProxyJump (or reach the host directly)")
         return [hop]
     # `ProxyJump a,b` reaches b through a and the target through b; a itself follows its own config,
     # which is what OpenSSH's `ssh -J a,b` does.

@@ -8,7 +8,7 @@ what is a few hundred cells. Pure function of the history, so it is tested witho
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from rich.text import Text
 
@@ -22,11 +22,11 @@ AXIS_STYLE = "grey50"
 
 
 def nice_ceiling(value: float) -> float:
-    """The smallest 1, 2, 2.5 or 5 × 10^k at or above `value` (a readable axis top)."""
+    """The smallest 1, 1.2, 1.5, 2, 2.5, 3, 4, 5, 6 or 8 × 10^k at or above `value` (a readable axis top)."""
     if value <= 0:
         return 1.0
     exp = math.floor(math.log10(value))
-    for step in (1.0, 2.0, 2.5, 5.0, 10.0):
+    for step in (1.0, 1.2, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0):
         top = step * 10 ** exp
         if top >= value * 0.999:
             return top
@@ -47,8 +47,12 @@ def _style(speculation: bool | None) -> str:
     return ON_STYLE if speculation else OFF_STYLE if speculation is False else UNKNOWN_STYLE
 
 
-def bin_points(points: Sequence[Point], start: float, end: float, columns: int,
-               hold: float = 3.0) -> list[tuple[float | None, bool | None]]:
+def _tok_s(p: Point) -> float | None:
+    return p.gen_throughput
+
+
+def bin_points(points: Sequence[Point], start: float, end: float, columns: int, hold: float = 3.0,
+               value: Callable[[Point], float | None] = _tok_s) -> list[tuple[float | None, bool | None]]:
     """(mean tok/s, last speculation state) per column of [start, end); an empty column holds the
     previous sample for `hold` seconds, so 1 Hz data drawn at finer columns has no holes."""
     width = (end - start) / columns
@@ -62,8 +66,9 @@ def bin_points(points: Sequence[Point], start: float, end: float, columns: int,
         i = min(columns - 1, int((p.time - start) / width))
         seen[i] = True
         states[i] = p.speculation
-        if p.gen_throughput is not None:
-            sums[i] += p.gen_throughput
+        v = value(p)
+        if v is not None:
+            sums[i] += v
             counts[i] += 1
     out: list[tuple[float | None, bool | None]] = []
     last: tuple[float | None, bool | None, float] | None = None  # value, state, time
@@ -131,4 +136,40 @@ def render_chart(points: Sequence[Point], switches: Sequence[Switch], width: int
             text.append("▲" if marks[i].enabled else "▼", style="bold " + _style(marks[i].enabled))
         else:
             text.append("─", style=AXIS_STYLE)
+    return text
+
+
+def _batch(p: Point) -> float | None:
+    return None if p.running_reqs is None else float(p.running_reqs)
+
+
+def render_batch_history(points: Sequence[Point], width: int, height: int, *, now: float | None,
+                         window_s: float = 300.0) -> Text:
+    """Batch size over time against the threshold line (─), columns green at or below it, orange above."""
+    text = Text(no_wrap=True, overflow="crop")
+    if now is None or not points or width < 4 or height < 1:
+        return text
+    end = now + window_s / width * 0.5
+    binned = bin_points(points, end - window_s, end, width, value=_batch)
+    recent = [p for p in points if p.time >= end - window_s]
+    threshold = next((p.threshold for p in reversed(recent) if p.threshold is not None and p.threshold >= 0), None)
+    peak = max([v for v, _ in binned if v is not None] + [1.0])
+    top = max(peak, threshold * 1.5 if threshold is not None else 0, 4.0)
+    levels = [None if v is None else round(v / top * height * 8) for v, _ in binned]
+    thr_level = None if threshold is None else threshold / top * height * 8
+    for r in range(height):
+        floor = (height - 1 - r) * 8
+        for i in range(width):
+            level = levels[i]
+            fill = 0 if level is None else max(0, min(8, level - floor))
+            over = threshold is not None and binned[i][0] is not None and binned[i][0] > threshold
+            on_line = thr_level is not None and floor <= thr_level < floor + 8
+            if fill:
+                text.append(BLOCKS[fill], style=OFF_STYLE if over else ON_STYLE)
+            elif on_line:
+                text.append("─", style="white")
+            else:
+                text.append(" ")
+        if r < height - 1:
+            text.append("\n")
     return text

@@ -27,30 +27,30 @@ def clock(t: float | None) -> str:
 
 
 def duration(seconds: float | None) -> str:
+    """Compact: 42s, 3m05s, 12m, 2h03m, 3d4h."""
     if seconds is None:
         return "—"
     s = max(0, int(seconds))
     if s < 60:
-        return f"{s} s"
+        return f"{s}s"
     if s < 3600:
-        return f"{s // 60} min {s % 60:02d} s" if s < 600 else f"{s // 60} min"
+        return f"{s // 60}m{s % 60:02d}s" if s < 600 else f"{s // 60}m"
     if s < 86400:
-        return f"{s // 3600} h {s % 3600 // 60:02d} min"
-    return f"{s // 86400} d {s % 86400 // 3600} h"
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600}h"
 
 
-def count(value: float | None, unit: str = "") -> str:
+def count(value: float | None) -> str:
+    """Compact: 7, 2.5, 4,321, 81k, 1.2M."""
     if value is None:
         return "—"
-    if value >= 100_000:
-        text = f"{value / 1000:,.0f}k"
-    elif value >= 1000:
-        text = f"{value:,.0f}"
-    elif value == int(value):
-        text = f"{value:.0f}"
-    else:
-        text = f"{value:.1f}"
-    return text + unit
+    if value >= 1_000_000:
+        return f"{value / 1_000_000:.1f}M"
+    if value >= 10_000:
+        return f"{value / 1000:.0f}k"
+    if value >= 1000 or value == int(value):
+        return f"{value:,.0f}"
+    return f"{value:.1f}"
 
 
 def render_header(snap: HostSnapshot | None, host: str, read_only: bool = False) -> Text:
@@ -157,9 +157,10 @@ def render_speculation(snap: HostSnapshot | None, width: int, height: int) -> Te
     else:
         t.append(f"since {clock(s.time)} ({duration(snap.time - s.time)} ago)" if snap.connected
                  else f"last switch {clock(s.time)}")
-        if s.batch_size is not None and s.threshold is not None and (height >= 4 or big):
+        if s.batch_size is not None and height >= 3:
             op = "≤" if s.enabled else ">"
-            t.append(f"\nbatch {s.batch_size} {op} threshold {s.threshold}")
+            t.append(f"\nbatch {s.batch_size} {op} threshold {s.threshold}" if s.threshold is not None
+                     else f"\nbatch {s.batch_size}, threshold off")
     return t
 
 
@@ -215,6 +216,8 @@ def render_load(snap: HostSnapshot | None, width: int) -> Text:
         t.append(count(s.disabled_steps), style="bold")
     if s and s.metrics_error and s.connected and s.state != "down":
         t.append(f" · metrics: {s.metrics_error}", style="yellow")
+    if s and s.spec_warning:
+        t.append(f" · ⚠ {s.spec_warning}", style="bold yellow")
     return t
 
 
@@ -231,18 +234,36 @@ def _bar(fraction: float | None, width: int, style: str) -> Text:
     return t
 
 
+def _gib(mib: float | None) -> str:
+    return "—" if mib is None else f"{mib / 1024:.0f}"
+
+
+def render_gpus_compact(gpus: Sequence[GpuStat], width: int) -> Text:
+    """Several GPUs per line (`0 87% 117/140G`) when one line each does not fit."""
+    t = Text(no_wrap=True, overflow="crop")
+    cell = 18
+    per_line = max(1, width // cell)
+    for n, g in enumerate(gpus):
+        util = "—" if g.util_pct is None else f"{g.util_pct:.0f}%"
+        t.append(f"{g.index:>2} ", style="bold")
+        t.append(f"{util:>4} ", style="cyan")
+        t.append(f"{_gib(g.mem_used_mib)}/{_gib(g.mem_total_mib)}G".ljust(cell - 8), style="magenta")
+        if n % per_line == per_line - 1 and n != len(gpus) - 1:
+            t.append("\n")
+    return t
+
+
 def render_gpus(gpus: Sequence[GpuStat], error: str | None, width: int, height: int) -> Text:
     """One line per GPU: index, utilisation bar and %, memory bar and used/total GiB."""
     t = Text(no_wrap=True, overflow="crop")
     if not gpus:
         t.append(error or "no GPU data", style=DIM)
         return t
+    if len(gpus) > height:
+        return render_gpus_compact(gpus, width)
     show_name = width >= 70
     bar_w = max(3, min(20, (width - (38 if show_name else 26)) // 2))
-    rows = list(gpus)
-    if len(rows) > height:
-        rows = rows[: max(0, height - 1)]
-    for g in rows:
+    for g in gpus:
         util = g.util_pct
         t.append(f"{g.index:>2} ", style="bold")
         if show_name:
@@ -251,12 +272,23 @@ def render_gpus(gpus: Sequence[GpuStat], error: str | None, width: int, height: 
         t.append(f" {'—' if util is None else f'{util:.0f}%':>4} ")
         frac = g.mem_used_mib / g.mem_total_mib if g.mem_used_mib is not None and g.mem_total_mib else None
         t.append_text(_bar(frac, bar_w, "magenta"))
-        used = "—" if g.mem_used_mib is None else f"{g.mem_used_mib / 1024:.0f}"
-        total = "—" if g.mem_total_mib is None else f"{g.mem_total_mib / 1024:.0f}"
-        t.append(f" {used}/{total} GiB\n")
-    if len(rows) < len(gpus):
-        t.append(f"… {len(gpus) - len(rows)} more GPUs (enlarge the window)", style=DIM)
+        t.append(f" {_gib(g.mem_used_mib)}/{_gib(g.mem_total_mib)} GiB\n")
+    t.rstrip()
     return t
+
+
+# The decode line's keys (sglang scheduler_metrics_mixin.py log_decode_stats) shortened for a narrow tail.
+_DECODE_KEYS = (("#running-req", "run"), ("#token", "tok"), ("token usage", "kv"), ("accept len", "acc"),
+                ("accept rate", "rate"), ("cuda graph", "graph"), ("gen throughput (token/s)", "tok/s"),
+                ("#queue-req", "queue"))
+
+
+def shorten_decode(message: str) -> str:
+    if not message.startswith("Decode batch"):
+        return message
+    for long, short in _DECODE_KEYS:
+        message = message.replace(long + ":", short + ":")
+    return message.replace("Decode batch,", "decode")
 
 
 def render_log_line(line: str, utc_offset: float | None = None) -> Text:
@@ -267,7 +299,7 @@ def render_log_line(line: str, utc_offset: float | None = None) -> Text:
         t.append(clock(p.time) + " ", style=DIM)
         if p.ranks:
             t.append(" ".join(f"{k}{v}" for k, v in p.ranks.items()) + " ", style=DIM)
-    msg = p.message
+    msg = shorten_decode(p.message)
     if "Speculation disabled" in msg:
         style = "bold " + OFF_STYLE
     elif "Speculation enabled" in msg:
@@ -276,7 +308,7 @@ def render_log_line(line: str, utc_offset: float | None = None) -> Text:
         style = "bold red"
     elif "WARNING" in msg or "Warning" in msg:
         style = "yellow"
-    elif msg.startswith(("Decode batch", "Prefill batch")):
+    elif msg.startswith(("decode", "Decode batch", "Prefill batch")):
         style = DIM
     else:
         style = ""

@@ -11,7 +11,7 @@ from textual.widgets import RichLog
 
 from dynctl.snapshot import HostHistory, HostSnapshot
 from dynctl.tui import panels
-from dynctl.tui.chart import render_chart
+from dynctl.tui.chart import render_batch_history, render_chart
 
 
 class SnapshotPanel(Widget):
@@ -88,7 +88,17 @@ class LoadPanel(SnapshotPanel):
         self.set_class(snap is not None and not snap.connected, "-stale")
 
     def render(self) -> Text:
-        return panels.render_load(self.snapshot, self.content_size.width)
+        """Three lines of numbers; on a tall screen the batch history fills the rest."""
+        text = panels.render_load(self.snapshot, self.content_size.width)
+        spare = self.content_size.height - 4
+        h = self.history
+        live = h.last_live if h is not None else None
+        if spare >= 2 and live is not None:
+            text.append("\n\n")
+            window = getattr(self.app, "window_s", 300.0)
+            text.append_text(render_batch_history(h.points(), self.content_size.width, spare, now=live.time,
+                                                  window_s=window))
+        return text
 
 
 class ChartPanel(SnapshotPanel):
@@ -121,20 +131,19 @@ class LogTail(RichLog):
 
     def __init__(self, **kw: str) -> None:
         super().__init__(max_lines=500, wrap=False, markup=False, highlight=False, auto_scroll=True, **kw)
+        self._mark: tuple[int, int] | None = None
 
-    def show_history(self, history: HostHistory | None, utc_offset: float | None) -> None:
-        self.clear()
-        for line in history.log_tail() if history else []:
-            self.write(panels.render_log_line(line, utc_offset))
-
-    def add(self, snap: HostSnapshot, history: HostHistory) -> None:
-        if snap.log_replace:
-            self.show_history(history, snap.utc_offset)
+    def follow(self, history: HostHistory | None, utc_offset: float | None, restart: bool = False) -> None:
+        """Write what the history gained since the last call; updates dropped in the queue lose nothing."""
+        if history is None:
+            self.clear()
+            self._mark = None
             return
-        if snap.log_restarted:
-            self.write(Text("──── log restarted (new server run) ────", style=panels.DIM))
-        for line in snap.log_lines:
-            self.write(panels.render_log_line(line, snap.utc_offset))
+        lines, self._mark, reset = history.log_since(None if restart else self._mark)
+        if reset:
+            self.clear()
+        for line in lines:
+            self.write(panels.render_log_line(line, utc_offset))
 
 
 class ActionLog(RichLog):

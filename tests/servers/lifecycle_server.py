@@ -9,6 +9,9 @@ schedulers (optional), and has switches for the ways a real server goes wrong:
   --orphan-port      spawn a child that inherits the listening socket, leaves the session and
                      outlives us, so the port stays held after we exit
   --gpu-dir DIR      "hold GPU memory" as far as tests/servers/bin/nvidia-smi is concerned
+  --cuda-mib N       hold N MiB of real GPU memory (torch, else cudaMalloc through libcudart)
+  --cuda-child N     spawn a plain child that holds N MiB of GPU memory and ignores SIGTERM,
+                     like a scheduler that outlives its parent (sglang#23627)
 Unlike sglang, it does NOT kill its children on exit: it models the leak the sweep must clean up.
 """
 
@@ -73,6 +76,34 @@ class Handler(BaseHTTPRequestHandler):
         log("INFO: " + fmt % args)
 
 
+def hold_gpu_memory(mib: int) -> object:
+    """Allocate and touch `mib` MiB on the first GPU; the returned handle keeps it allocated."""
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    if torch is not None:
+        buf = torch.empty(mib << 20, dtype=torch.uint8, device="cuda")
+        buf.fill_(1)
+        torch.cuda.synchronize()
+        return buf
+    import ctypes
+    import ctypes.util
+
+    for name in (ctypes.util.find_library("cudart"), "libcudart.so", "libcudart.so.13", "libcudart.so.12"):
+        try:
+            lib = ctypes.CDLL(name) if name else None
+        except OSError:
+            continue
+        if lib is not None:
+            ptr = ctypes.c_void_p()
+            rc = lib.cudaMalloc(ctypes.byref(ptr), ctypes.c_size_t(mib << 20))
+            if rc != 0:
+                raise RuntimeError(f"cudaMalloc({mib} MiB) failed with error {rc}")
+            return ptr
+    raise RuntimeError("neither torch nor libcudart is available to allocate GPU memory")
+
+
 def spawn_children(orphan_sock: socket.socket | None, children: bool) -> None:
     if children:
         plain = subprocess.Popen([sys.executable, "-c", SLEEPER])
@@ -99,7 +130,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--orphan-port", action="store_true")
     ap.add_argument("--enable-metrics", action="store_true")
     ap.add_argument("--gpu-dir", default=None)
+    ap.add_argument("--cuda-mib", type=int, default=0)
+    ap.add_argument("--cuda-child", type=int, default=0)
+    ap.add_argument("--hold-gpu-only", type=int, default=0, help=argparse.SUPPRESS)
     args, unknown = ap.parse_known_args(argv)
+    if args.hold_gpu_only:  # the --cuda-child process
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        _held = hold_gpu_memory(args.hold_gpu_only)  # noqa: F841 - keeps the memory allocated
+        while True:
+            time.sleep(60)
     State.tokens = args.tokens
     log(f"server_args: port={args.port} extra={unknown}")
     if args.gpu_dir:
@@ -114,6 +153,14 @@ def main(argv: list[str] | None = None) -> None:
         stop_at.append(time.monotonic() + args.drain)
 
     signal.signal(signal.SIGTERM, signal.SIG_IGN if args.ignore_sigterm else on_term)
+
+    held = hold_gpu_memory(args.cuda_mib) if args.cuda_mib else None
+    if held is not None:
+        log(f"holding {args.cuda_mib} MiB of GPU memory")
+    if args.cuda_child:
+        child = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--port", "0",
+                                  "--hold-gpu-only", str(args.cuda_child)])
+        log(f"children: gpu-child={child.pid}")
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

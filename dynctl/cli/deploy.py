@@ -1,0 +1,137 @@
+"""`dynctl deploy|rollback|releases|threshold`."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import typer
+from rich.markup import escape
+from rich.syntax import Syntax
+from rich.table import Table
+
+from dynctl import deploy as core
+from dynctl.cli.common import ConfigOpt, HostOpt, JsonOpt, YesOpt, confirm, console, handle_errors, open_host
+from dynctl.cli.lifecycle import GraceOpt, ReadyTimeoutOpt, EventPrinter
+from dynctl.transport import sh_join
+
+
+def register(app: typer.Typer) -> None:
+    app.command("deploy")(deploy)
+    app.command("rollback")(rollback)
+    app.command("releases")(releases)
+    app.command("threshold")(threshold)
+
+
+@handle_errors
+def deploy(
+    threshold: str = typer.Option(..., "--threshold", "-t", help="Speculate only while at most N requests run (-1: always)."),
+    host: str = HostOpt,
+    config: str = ConfigOpt,
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the diff and the launch argv; change nothing."),
+    yes: bool = YesOpt,
+    grace: float = GraceOpt,
+    ready_timeout: float = ReadyTimeoutOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Inspect, validate with the server's own interpreter, back up, switch, restart, health-gate; roll back on failure."""
+    session = open_host(host, config)
+    t0 = time.monotonic()
+    plan = core.plan_deploy(session.agent, session.host, threshold)
+    for warning in plan.warnings:
+        console.print(f"[yellow]![/] {escape(warning)}")
+    if dry_run:
+        if as_json:
+            console.print_json(json.dumps(dict(plan.to_json(), diff=plan.diff)))
+            return
+        console.print(f"[bold]{session.host.name}[/]: sglang {plan.sglang_version}, strategy {plan.strategy}; "
+                      f"{escape(plan.patch_detail)}")
+        if plan.diff:
+            console.print(Syntax(plan.diff, "diff", theme="ansi_dark", word_wrap=True))
+        console.print("[bold]launch argv:[/] " + escape(sh_join(plan.launch_argv)), soft_wrap=True)
+        if plan.noop:
+            console.print(f"[green]{escape(plan.noop)}[/]")
+        console.print("[dim]dry run: nothing was changed[/]")
+        return
+    if plan.noop:
+        console.print(f"[green]✓[/] {escape(plan.noop)}")
+        if as_json:
+            console.print_json(json.dumps({"changed": False, "message": plan.noop}))
+        return
+    confirm(f"Deploy threshold {plan.threshold} to {session.host.name} ({session.host.route}), restarting its server?",
+            yes)
+    result = core.deploy(session.agent, plan, EventPrinter(quiet=as_json), grace=grace, ready_timeout=ready_timeout)
+    elapsed = time.monotonic() - t0
+    if as_json:
+        console.print_json(json.dumps(dict(result, elapsed=elapsed, round_trips=session.agent.round_trips), default=str))
+        return
+    console.print(f"[bold green]deployed[/] release {result['release']} on {session.host.name}: threshold "
+                  f"{result.get('threshold_in_force')} in force (read back from /server_info), pid {result.get('pid')}, "
+                  f"{elapsed:.1f} s")
+
+
+@handle_errors
+def rollback(
+    host: str = HostOpt,
+    config: str = ConfigOpt,
+    to: str = typer.Option(None, "--to", help="Release id to return to, or 'baseline' (no release)."),
+    yes: bool = YesOpt,
+    grace: float = GraceOpt,
+    ready_timeout: float = ReadyTimeoutOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Back to the previous release (or --to R) and restart with its recorded launch arguments."""
+    session = open_host(host, config)
+    confirm(f"Roll {session.host.name} back to {to or 'the previous release'}, restarting its server?", yes)
+    result = core.rollback(session.agent, session.host, to, EventPrinter(quiet=as_json), grace=grace,
+                           ready_timeout=ready_timeout)
+    if as_json:
+        console.print_json(json.dumps(result, default=str))
+        return
+    if result.get("changed") is False:
+        console.print(f"[green]✓[/] {escape(result.get('message', 'nothing to do'))}")
+    else:
+        console.print(f"[bold green]rolled back[/] {session.host.name} to {result['target']} "
+                      f"(reverted: {', '.join(result.get('reverted') or []) or 'none'}), pid {result.get('pid')}")
+
+
+@handle_errors
+def releases(
+    host: str = HostOpt,
+    config: str = ConfigOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """The release history on the host: id, time, who, sglang version, threshold, files, state."""
+    session = open_host(host, config)
+    items = core.list_releases(session.agent)
+    if as_json:
+        console.print_json(json.dumps(items, default=str))
+        return
+    if not items:
+        console.print(f"no releases on {session.host.name} yet")
+        return
+    table = Table("release", "created", "who", "sglang", "strategy", "threshold", "files", "state", box=None)
+    for m in items:
+        table.add_row(m["id"], str(m.get("created", ""))[:19], m.get("who") or "", m.get("sglang_version") or "",
+                      m.get("strategy") or "", str(m.get("threshold")), str(len(m.get("files") or [])),
+                      m.get("state") or "")
+    console.print(table)
+
+
+@handle_errors
+def threshold(
+    value: str = typer.Argument(..., help="New threshold N (-1: never disable speculation)."),
+    host: str = HostOpt,
+    config: str = ConfigOpt,
+    yes: bool = YesOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Change the threshold of the running server without a restart, and report the value in force."""
+    session = open_host(host, config)
+    confirm(f"Set the live threshold of {session.host.name} to {value}?", yes)
+    answer = core.set_threshold(session.agent, value)
+    if as_json:
+        console.print_json(json.dumps(answer))
+        return
+    console.print(f"[green]✓[/] threshold {answer['in_force']} in force on {session.host.name} "
+                  f"(read back from /server_info)")

@@ -1,0 +1,171 @@
+"""Deploy, rollback and the live threshold: plan here, run the critical sequence on the host (UI-free)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from dynctl import events, operations
+from dynctl.agent import AgentClient
+from dynctl.config import HostConfig
+from dynctl.errors import OperationFailed, PreflightError, UsageError
+from dynctl.lifecycle import server_argv
+from dynctl.native import plan_native
+from dynctl.patching import parse_threshold, plan_patch, strategy_for
+from dynctl.patching.host import plan_for_apply, read_patch_state
+
+THRESHOLD_FLAG = "--speculative-disable-batch-threshold"
+ADAPTIVE_CONFIG = "adaptive.json"
+
+
+@dataclass
+class DeployPlan:
+    host: HostConfig
+    sglang_version: str
+    strategy: str  # patch | native
+    threshold: int
+    files: list[dict[str, Any]]
+    diff: str
+    launch_argv: list[str]
+    baseline_argv: list[str]
+    artifacts: dict[str, str] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+    patch_detail: str = ""
+    noop: str | None = None  # why nothing needs doing, when that is so
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "host": self.host.name, "sglang_version": self.sglang_version, "strategy": self.strategy,
+            "threshold": self.threshold, "files": [f["path"] for f in self.files], "launch_argv": self.launch_argv,
+            "artifacts": self.artifacts, "warnings": self.warnings, "patch": self.patch_detail, "noop": self.noop,
+        }
+
+
+def plan_deploy(agent: AgentClient, host: HostConfig, threshold: Any) -> DeployPlan:
+    """Inspect the host and work out what deploying `threshold` means there; changes nothing."""
+    threshold = parse_threshold(threshold)
+    baseline = server_argv(host)
+    state = read_patch_state(agent)
+    if state.version is None:
+        raise PreflightError(f"{host.name}: sglang is not installed for {state.python}; nothing to deploy to")
+    strategy = strategy_for(state.version)  # refuses unsupported versions (exit 3)
+    if strategy == "patch":
+        plan = plan_for_apply(state)
+        if plan.status == "applied":
+            files: list[dict[str, Any]] = []
+        else:
+            files = plan.files_for_agent()
+        argv = server_argv(host, [THRESHOLD_FLAG, str(threshold)])
+        dplan = DeployPlan(host, state.version, strategy, threshold, files, plan.diff(), argv, baseline,
+                           patch_detail=plan.message)
+    else:
+        native = plan_native(threshold, args=host.args, config_path="{release_dir}/" + ADAPTIVE_CONFIG)
+        artifacts = {ADAPTIVE_CONFIG: native.config_json} if native.config_json else {}
+        argv = server_argv(host, native.argv)
+        diff = "" if not artifacts else f"--- /dev/null\n+++ b/{ADAPTIVE_CONFIG}\n" + "".join(
+            f"+{line}\n" for line in native.config_json.splitlines())
+        dplan = DeployPlan(host, state.version, strategy, threshold, [], diff, argv, baseline, artifacts,
+                           list(native.warnings), patch_detail=state.detail)
+    dplan.noop = _already_deployed(agent, dplan, state.release)
+    return dplan
+
+
+def _already_deployed(agent: AgentClient, dplan: DeployPlan, release: dict[str, Any] | None) -> str | None:
+    if dplan.files or not release:
+        return None
+    if release.get("threshold") != dplan.threshold or release.get("strategy") != dplan.strategy:
+        return None
+    # native argv name a file inside the release directory, so only the patch argv compare as text
+    if dplan.strategy == "patch" and release.get("launch_argv") != dplan.launch_argv:
+        return None
+    answer = agent.call("server_info")
+    info = answer.get("info")
+    if info is None:
+        return None
+    if dplan.strategy == "patch":
+        states = info.get("internal_states") or [{}]
+        if states[0].get("speculative_disable_batch_threshold") != dplan.threshold:
+            return None
+    return (f"release {release.get('id')} with threshold {dplan.threshold} is already in force and the server "
+            f"is serving; nothing to do")
+
+
+def _relay(event: dict[str, Any], on_event: events.EventSink) -> None:
+    kind = event.get("type")
+    if kind == "step_started":
+        on_event(events.StepStarted(event["step"], event.get("detail") or ""))
+    elif kind == "step_done":
+        on_event(events.StepDone(event["step"], event.get("seconds") or 0.0))
+    elif kind == "log":
+        on_event(events.LogLine(event.get("text", "")))
+    elif kind in ("warning",):
+        on_event(events.Warning(event.get("text", "")))
+    elif kind == "info":
+        on_event(events.LogLine(event.get("text", "")))
+
+
+def run_operation(agent: AgentClient, kind: str, params: dict[str, Any],
+                  on_event: events.EventSink = events.ignore) -> dict[str, Any]:
+    """Start `kind` on the host, relay its events, and turn its final word into a result or an error."""
+    op_id = operations.start(agent, kind, params)
+    final: dict[str, Any] = {}
+    current_step = kind
+    for event in operations.follow(agent, op_id):
+        if event.get("type") == "step_started":
+            current_step = event["step"]
+        if event.get("final"):
+            final = event
+            break
+        _relay(event, on_event)
+    if final.get("ok"):
+        return final
+    message = final.get("error") or f"{kind} failed"
+    on_event(events.Failed(current_step, message, tuple(final.get("log_tail") or ())))
+    if final.get("kind") in ("preflight", "busy"):
+        raise PreflightError(f"{agent.host.name}: {message}")
+    if final.get("kind") == "usage":
+        raise UsageError(f"{agent.host.name}: {message}")
+    raise OperationFailed(f"{agent.host.name}: {message}")
+
+
+def deploy(agent: AgentClient, dplan: DeployPlan, on_event: events.EventSink = events.ignore,
+           grace: float = 60.0, ready_timeout: float = 900.0) -> dict[str, Any]:
+    params = {
+        "files": dplan.files, "sglang_version": dplan.sglang_version, "strategy": dplan.strategy,
+        "threshold": dplan.threshold, "launch_argv": dplan.launch_argv, "baseline_argv": dplan.baseline_argv,
+        "artifacts": dplan.artifacts, "grace": grace, "ready_timeout": ready_timeout,
+    }
+    return run_operation(agent, "deploy", params, on_event)
+
+
+def rollback(agent: AgentClient, host: HostConfig, to: str | None = None,
+             on_event: events.EventSink = events.ignore, grace: float = 60.0,
+             ready_timeout: float = 900.0) -> dict[str, Any]:
+    params = {"baseline_argv": server_argv(host), "to": to, "grace": grace, "ready_timeout": ready_timeout}
+    return run_operation(agent, "rollback", params, on_event)
+
+
+def set_threshold(agent: AgentClient, threshold: Any) -> dict[str, Any]:
+    """Change the threshold without a restart, then report the value actually in force."""
+    value = parse_threshold(threshold)
+    state = read_patch_state(agent)
+    if state.strategy == "native":
+        raise PreflightError(
+            f"{agent.host.name}: sglang {state.version} uses native adaptive speculation, whose config is fixed at "
+            f"launch; a restart is needed: run `dynctl deploy --threshold {value}`")
+    if state.status != "applied":
+        raise PreflightError(f"{agent.host.name}: the patch is not in force ({state.detail}); "
+                             f"run `dynctl deploy --threshold {value}` first")
+    answer = agent.call("set_threshold", threshold=value)
+    if answer.get("in_force") != value:
+        raise OperationFailed(
+            f"{agent.host.name}: asked for threshold {value}, but the server reports {answer.get('in_force')!r} "
+            f"(is the running server the patched release?)")
+    return answer
+
+
+def list_releases(agent: AgentClient) -> list[dict[str, Any]]:
+    return agent.call("releases")["releases"]
+
+
+__all__ = ["DeployPlan", "deploy", "list_releases", "plan_deploy", "plan_patch", "rollback", "set_threshold"]

@@ -1,0 +1,103 @@
+"""The patch on a real host: read its files through the agent, plan, apply, revert."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from dynctl.agent import AgentClient
+from dynctl.errors import PreflightError
+from dynctl.patching.engine import PatchRefused, Plan, plan_patch
+from dynctl.patching.recipe import target_files
+from dynctl.patching.versions import SUPPORTED, strategy_for
+
+
+@dataclass
+class PatchState:
+    """What `dynctl patch status` shows: the sglang found, its strategy, and where the patch stands."""
+
+    python: str
+    version: str | None
+    package_dir: str | None
+    strategy: str  # patch | native | unsupported
+    status: str  # not applied | applied | modified | refused | native | unsupported
+    detail: str
+    plan: Plan | None = None
+    current: str | None = None
+    release: dict[str, Any] | None = None
+    incomplete: list[str] = field(default_factory=list)
+    files: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "python": self.python, "sglang_version": self.version, "package_dir": self.package_dir,
+            "strategy": self.strategy, "status": self.status, "detail": self.detail,
+            "files": self.files, "current_release": self.current, "release": self.release,
+            "incomplete_releases": self.incomplete, "supported": SUPPORTED,
+            "changes": [{"path": c.path, "sha256_before": c.sha256_before, "sha256_after": c.sha256_after}
+                        for c in (self.plan.changes if self.plan else ())],
+        }
+
+
+def read_patch_state(agent: AgentClient) -> PatchState:
+    """One agent round trip, then the pure planner; never raises for a refused or unsupported patch."""
+    answer = agent.call("patch_read", files=target_files())
+    sglang = answer["sglang"]
+    version = sglang.get("version")
+    files = {path: (None if info is None else {"sha256": info.get("sha256"), "symlink": info.get("symlink")})
+             for path, info in answer["files"].items()}
+    state = PatchState(python=answer["python"], version=version, package_dir=sglang.get("package_dir"),
+                       strategy="unsupported", status="unsupported", detail="", current=answer.get("current"),
+                       release=answer.get("release"), incomplete=list(answer.get("incomplete") or []), files=files)
+    try:
+        state.strategy = strategy_for(version or "unknown")
+    except PreflightError as err:
+        state.detail = str(err)
+        return state
+    if state.strategy == "native":
+        state.status = "native"
+        state.detail = (f"sglang {version} has adaptive speculation: no file is patched, "
+                        f"the threshold is a launch config")
+        return state
+    originals = {path: (info or {}).get("text") for path, info in answer["files"].items()}
+    release = answer.get("release") or {}
+    expected = {f["path"]: f["sha256_after"] for f in release.get("files") or []}
+    try:
+        state.plan = plan_patch(version, originals, record=answer.get("record"), expected=expected)
+    except PatchRefused as err:
+        state.status = "modified" if "patched but modified" in str(err) else "refused"
+        state.detail = str(err)
+        return state
+    if state.plan.status == "applied":
+        state.status, state.detail = "applied", state.plan.message
+    else:
+        state.status, state.detail = "not applied", state.plan.message
+    return state
+
+
+def plan_for_apply(state: PatchState) -> Plan:
+    """The plan to apply, or the reason there is none, as an error with the right exit code."""
+    if state.strategy == "unsupported":
+        raise PreflightError(state.detail)
+    if state.strategy == "native":
+        raise PreflightError(f"sglang {state.version} uses the native strategy: there is no file to patch "
+                             f"(dynctl deploy passes the adaptive config at launch)")
+    if state.incomplete:
+        raise PreflightError(f"release {state.incomplete[0]} was interrupted; run `dynctl patch revert "
+                             f"--release {state.incomplete[0]}` first")
+    if state.plan is None:
+        raise PatchRefused(state.detail)
+    return state.plan
+
+
+def apply_plan(agent: AgentClient, plan: Plan, threshold: int | None = None,
+               launch_argv: list[str] | None = None) -> dict[str, Any]:
+    """Swap the planned files in on the host as one release; nothing to do when already applied."""
+    if plan.status == "applied":
+        return {"release": None, "already": True, "detail": plan.message}
+    return agent.call("patch_apply", files=plan.files_for_agent(), sglang_version=plan.version,
+                      strategy="patch", threshold=threshold, launch_argv=launch_argv)
+
+
+def revert(agent: AgentClient, release: str | None = None, every: bool = False) -> dict[str, Any]:
+    return agent.call("patch_revert", release=release, all=every)

@@ -1,0 +1,98 @@
+"""AST checks that a patched sglang tree carries every piece of the patch (shared by the patch tests)."""
+
+from __future__ import annotations
+
+import ast
+import builtins
+
+FLAG = "--speculative-disable-batch-threshold"
+FIELD = "speculative_disable_batch_threshold"
+WORKER_METHODS = {"_skip_speculation", "_init_spec_disable", "_forward_batch_generation_no_spec",
+                  "_no_spec_bonus_tokens", "_no_spec_finish_result", "_no_spec_draft_extend"}
+
+
+def _class(tree: ast.Module, name: str) -> ast.ClassDef:
+    found = [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == name]
+    assert len(found) == 1, f"class {name}: found {len(found)}"
+    return found[0]
+
+
+def _method(cls: ast.ClassDef, name: str) -> ast.FunctionDef:
+    found = [n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == name]
+    assert len(found) == 1, f"{cls.name}.{name}: found {len(found)}"
+    return found[0]
+
+
+def check_server_args(text: str) -> None:
+    tree = ast.parse(text)
+    cls = _class(tree, "ServerArgs")
+    fields = {n.target.id: n for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+    assert FIELD in fields, "ServerArgs has no speculative_disable_batch_threshold field"
+    field = fields[FIELD]
+    assert ast.unparse(field.annotation) == "Optional[int]"
+    assert isinstance(field.value, ast.Constant) and field.value.value is None
+    calls = [n for n in ast.walk(_method(cls, "add_cli_args")) if isinstance(n, ast.Call)
+             and isinstance(n.func, ast.Attribute) and n.func.attr == "add_argument"
+             and n.args and isinstance(n.args[0], ast.Constant) and n.args[0].value == FLAG]
+    assert len(calls) == 1, f"add_argument({FLAG!r}) found {len(calls)} times"
+    kwargs = {k.arg: ast.unparse(k.value) for k in calls[0].keywords}
+    assert kwargs["type"] == "int"
+    assert kwargs["default"] == f"ServerArgs.{FIELD}"
+    assert "help" in kwargs
+    post_init = ast.unparse(_method(cls, "__post_init__"))
+    assert "check_threshold_args(self)" in post_init
+    assert post_init.index("_handle_speculative_decoding()") < post_init.index("check_threshold_args(self)")
+
+
+def check_scheduler(text: str) -> None:
+    tree = ast.parse(text)
+    method = _method(_class(tree, "Scheduler"), "set_internal_state")
+    allow = [n for n in ast.walk(method) if isinstance(n, ast.Assign)
+             and any(isinstance(t, ast.Name) and t.id == "args_allow_update" for t in n.targets)]
+    assert len(allow) == 1
+    names = {c.value for c in ast.walk(allow[0].value) if isinstance(c, ast.Constant)}
+    assert FIELD in names, "speculative_disable_batch_threshold is not in set_internal_state's allow-list"
+    assert "validate_threshold(v)" in ast.unparse(method)
+    handover = [n for n in ast.walk(tree) if isinstance(n, ast.Assign) and ast.unparse(n.targets[0])
+                == "self.draft_worker.metrics_collector"]
+    assert len(handover) == 1, "the scheduler does not hand its metrics collector to the spec worker"
+
+
+def check_eagle_worker(text: str) -> None:
+    tree = ast.parse(text)
+    cls = _class(tree, "EAGLEWorkerV2")
+    methods = {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
+    assert WORKER_METHODS <= methods, f"missing methods: {WORKER_METHODS - methods}"
+    first = _method(cls, "forward_batch_generation").body[0]
+    assert isinstance(first, ast.If) and ast.unparse(first.test) == "self._skip_speculation(model_worker_batch)"
+    assert ast.unparse(first.body[0]) == "return self._forward_batch_generation_no_spec(model_worker_batch)"
+    undefined = undefined_names(tree, cls, WORKER_METHODS)
+    assert not undefined, f"names the patch uses but eagle_worker_v2.py does not define: {undefined}"
+
+
+def undefined_names(tree: ast.Module, cls: ast.ClassDef, methods: set[str]) -> set[str]:
+    """Global names read in `methods` that the module neither defines nor imports (a pyflakes subset)."""
+    defined = set(dir(builtins))
+    for node in tree.body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            defined |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef)):
+            defined.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                defined |= {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
+    missing = set()
+    for fn in (n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name in methods):
+        local = {a.arg for a in fn.args.args + fn.args.kwonlyargs}
+        local |= {n.id for n in ast.walk(fn) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+        for n in ast.walk(fn):
+            if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.id not in local | defined:
+                missing.add(n.id)
+    return missing
+
+
+def check_all(texts: dict[str, str]) -> None:
+    check_server_args(texts["srt/server_args.py"])
+    check_scheduler(texts["srt/managers/scheduler.py"])
+    check_eagle_worker(texts["srt/speculative/eagle_worker_v2.py"])
+    ast.parse(texts["srt/speculative/spec_batch_threshold.py"])

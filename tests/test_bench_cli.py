@@ -1,0 +1,188 @@
+"""`dynctl bench` end to end against the tiny streaming server: bad input, unreachable, errors, Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from dynctl.cli import bench as bench_cli
+from test_bench_server import TokenServer
+
+LAUNCHER = (
+    "import sys, typer\n"
+    "from dynctl.cli import bench\n"
+    "app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)\n"
+    "@app.callback()\n"
+    "def _root(): pass\n"
+    "bench.register(app)\n"
+    "app(prog_name='dynctl')\n"
+)
+
+
+def make_app() -> typer.Typer:
+    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+
+    @app.callback()
+    def _root() -> None:
+        pass
+
+    bench_cli.register(app)
+    return app
+
+
+def write_config(tmp_path: Path, port: int) -> Path:
+    path = tmp_path / "dynctl.toml"
+    path.write_text(
+        'default_host = "tiny"\n[hosts.tiny]\n'
+        f"port = {port}\npython = {json.dumps(sys.executable)}\nworkdir = {json.dumps(str(tmp_path / 'work'))}\n"
+    )
+    return path
+
+
+@pytest.fixture
+def server():
+    s = TokenServer(interval=0.005).start()
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--concurrency", "0"], "item 1 '0'"),
+    (["--concurrency", "1,,4"], "item 2 is empty"),
+    (["--concurrency", "abc"], "'abc' is not a positive integer"),
+    (["--goodput", "ttft:x"], "--goodput 'ttft:x'"),
+    (["--duration", "5", "--num-prompts", "3"], "either --duration or --num-prompts"),
+    (["--input-len", "0"], "--input-len"),
+    (["--threshold", "x"], "--threshold 'x'"),
+    (["stray"], "unexpected argument 'stray'"),
+])
+def test_bad_input_exits_2_naming_the_item(args, fragment, tmp_path):
+    result = CliRunner().invoke(make_app(), ["bench", "--config", str(tmp_path / "absent.toml"), *args])
+    assert result.exit_code == 2, result.output
+    assert fragment in result.output
+
+
+def test_unreachable_server_exits_4(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))  # bound but not listening: refused
+        cfg = write_config(tmp_path, s.getsockname()[1])
+        result = CliRunner().invoke(make_app(), ["bench", "--config", str(cfg), "--concurrency", "1",
+                                                 "--duration", "1"])
+    assert result.exit_code == 4, result.output
+    assert "not answering" in result.output and "tiny" in result.output
+
+
+def test_errors_are_counted_and_vllm_names_written(server, tmp_path):
+    server.fail_every = 4
+    cfg = write_config(tmp_path, server.port)
+    out = tmp_path / "bench.json"
+    result = CliRunner().invoke(make_app(), [
+        "bench", "--config", str(cfg), "--concurrency", "2,3", "--num-prompts", "12", "--warmup", "0",
+        "--input-len", "8", "--output-len", "4", "--goodput", "ttft:500", "tpot:500", "--json", str(out),
+        "--png", str(tmp_path / "bench.png")])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(out.read_text())
+    levels = doc["runs"][0]["levels"]
+    assert [lv["max_concurrency"] for lv in levels] == [2, 3]
+    for lv in levels:
+        assert lv["completed"] + lv["failed"] == 12 and lv["failed"] >= 2
+        assert any(k.startswith("HTTP 500") for k in lv["errors"])
+        for key in ("output_throughput", "request_throughput", "total_token_throughput", "mean_ttft_ms",
+                    "median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_itl_ms",
+                    "median_e2el_ms", "request_goodput", "max_concurrency", "completed", "failed"):
+            assert key in lv
+        assert lv["request_goodput"] == pytest.approx(lv["request_throughput"])  # generous SLOs: all good
+    assert doc["goodput_config"] == {"ttft": 500.0, "tpot": 500.0}
+    assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
+    assert "failed (most often: HTTP 500" in result.output
+
+
+def test_compare_switches_live_and_restores_the_threshold(server, tmp_path):
+    cfg = write_config(tmp_path, server.port)
+    out = tmp_path / "cmp.json"
+    result = CliRunner().invoke(make_app(), [
+        "bench", "--config", str(cfg), "--concurrency", "1,2", "--num-prompts", "4", "--input-len", "4",
+        "--output-len", "4", "--compare", "--threshold", "1", "--json", str(out), "--no-chart"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(out.read_text())
+    assert [(r["mode"], r["threshold"]) for r in doc["runs"]] == [("no-spec", 0), ("always-spec", -1),
+                                                                 ("threshold 1", 1)]
+    assert server.threshold == 4 and "threshold restored to 4" in result.output
+    assert doc["recommendation"] is not None and "recommended" in result.output
+    shares = {r["mode"]: [lv["server"]["spec_on_share"] for lv in r["levels"]] for r in doc["runs"]}
+    assert shares["no-spec"] == [0.0, 0.0] and shares["always-spec"] == [1.0, 1.0]
+
+
+def test_compare_refuses_a_server_without_speculation(server, tmp_path):
+    server.spec = None
+    cfg = write_config(tmp_path, server.port)
+    result = CliRunner().invoke(make_app(), ["bench", "--config", str(cfg), "--concurrency", "1",
+                                             "--num-prompts", "1", "--compare"])
+    assert result.exit_code == 3 and "without speculative decoding" in result.output
+    assert server.requests == 0  # refused before any load
+
+
+def test_unpatched_server_needs_a_redeploy_which_is_not_there_yet(server, tmp_path):
+    server.threshold = None  # /server_info has no threshold: not patched
+    cfg = write_config(tmp_path, server.port)
+    result = CliRunner().invoke(make_app(), ["bench", "--config", str(cfg), "--concurrency", "1",
+                                             "--num-prompts", "1", "--compare"])
+    assert result.exit_code == 3, result.output
+    assert "cannot change live" in result.output and "dynctl deploy --threshold" in result.output
+    assert server.requests == 0
+
+
+def _read_until(proc: subprocess.Popen, needle: str, timeout: float) -> str:
+    seen = ""
+    deadline = time.monotonic() + timeout
+    while needle not in seen:
+        left = deadline - time.monotonic()
+        assert left > 0, f"no {needle!r} within {timeout} s; output so far:\n{seen}"
+        ready, _, _ = select.select([proc.stdout], [], [], left)
+        if ready:
+            chunk = os.read(proc.stdout.fileno(), 65536).decode()
+            assert chunk or proc.poll() is None, f"exited early:\n{seen}"
+            seen += chunk
+    return seen
+
+
+def test_ctrl_c_mid_sweep_writes_what_was_measured_and_exits_130(server, tmp_path):
+    cfg = write_config(tmp_path, server.port)
+    out = tmp_path / "partial.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER, "bench", "--config", str(cfg), "--concurrency", "1,2,4,8",
+         "--duration", "1.5", "--input-len", "4", "--output-len", "4", "--compare", "--json", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        _read_until(proc, "no-spec c=1:", timeout=30)  # one level measured, the next one running
+        assert server.threshold == 0  # switched live to no-spec
+        agents = psutil.Process(proc.pid).children(recursive=True)
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, rest
+    assert b"interrupted" in rest
+    doc = json.loads(out.read_text())
+    assert doc["interrupted"] is True and doc["runs"][0]["mode"] == "no-spec"
+    assert 1 <= len(doc["runs"][0]["levels"]) < 4
+    assert doc["runs"][0]["levels"][0]["max_concurrency"] == 1
+    assert server.threshold == 4  # put back even on Ctrl-C
+    assert not [p for p in agents if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]

@@ -1,0 +1,63 @@
+"""nvidia-smi parsing against real output captured on an H200 (tests/fixtures/nvidia_smi/README.md)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from dynctl import resources
+from dynctl.metrics import MetricsFormatError, parse_compute_apps_csv, parse_gpu_csv, parse_nvidia_smi_csv
+
+FIX = Path(__file__).parent / "fixtures" / "nvidia_smi"
+UUID = "GPU-6308ea44-dc94-b7d8-9744-960e07080844"
+
+
+@pytest.fixture(scope="module")
+def agent():
+    spec = importlib.util.spec_from_file_location("dynctl_agent_under_test", resources.remote_dir() / "dynctl_agent.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def fixture(name: str) -> str:
+    return (FIX / name).read_text()
+
+
+def test_gpu_rows_idle_and_busy():
+    (idle,) = parse_gpu_csv(fixture("query_gpu_idle.txt"))
+    (busy,) = parse_gpu_csv(fixture("query_gpu_busy.txt"))
+    assert (idle.index, idle.uuid, idle.name) == (0, UUID, "NVIDIA H200")
+    assert (idle.mem_used_mib, idle.mem_total_mib, idle.util_pct) == (0, 143771, 0)
+    assert busy.mem_used_mib == 4739
+
+
+def test_compute_apps_real_rows():
+    assert parse_compute_apps_csv(fixture("query_apps_idle.txt")) == []
+    two = parse_compute_apps_csv(fixture("query_apps_two_processes.txt"))
+    assert [(p.pid, p.used_mib, p.gpu_uuid) for p in two] == [(490, 4706, UUID), (538, 14, UUID)]
+    assert two[0].process_name == "/opt/torch/.venv/bin/python3"
+
+
+def test_wide_query_keeps_every_column():
+    fields = ("index", "uuid", "name", "temperature.gpu", "utilization.gpu", "utilization.memory", "memory.used",
+              "memory.total", "power.draw", "power.limit", "clocks.sm", "pstate")
+    (row,) = parse_nvidia_smi_csv(fixture("query_gpu_wide_idle.txt"), fields)
+    assert (row["temperature.gpu"], row["power.limit"], row["clocks.sm"], row["pstate"]) == ("37", "700.00", "345", "P0")
+
+
+def test_header_output_is_not_mistaken_for_data():
+    """`--format=csv` (with header and units) is not what dynctl asks for: refuse it instead of misreading."""
+    with pytest.raises((MetricsFormatError, ValueError)):
+        parse_gpu_csv(fixture("query_gpu_idle_with_header.txt"))
+
+
+def test_agent_reads_the_same_rows(agent):
+    """The host agent's own stdlib parser (used by `server_stop` to wait for GPU release)."""
+    assert agent.parse_compute_apps(fixture("query_apps_idle.txt")) == {}
+    assert agent.parse_compute_apps(fixture("query_apps_one_process.txt")) == {759: 4706.0}
+    assert agent.parse_compute_apps(fixture("query_apps_two_processes.txt")) == {490: 4706.0, 538: 14.0}
+    assert agent.parse_compute_apps(fixture("query_apps_idle_with_header.txt")) == {}
+    assert agent.parse_compute_apps("GPU-x, 7, /usr/bin/python3 -c a,b, [N/A]\n") == {7: None}

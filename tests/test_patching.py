@@ -1,0 +1,287 @@
+"""The patch engine against real sglang sources from PyPI: plans, idempotence, refusals, versions."""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import zipfile
+from functools import cache
+
+import pytest
+from patch_checks import check_all
+from sglang_trees import sglang_wheel
+
+from dynctl.errors import PreflightError, UsageError
+from dynctl.patching import (
+    MAX_THRESHOLD,
+    SUPPORTED,
+    TARGET_FILES,
+    PatchRefused,
+    parse_threshold,
+    plan_patch,
+    sha256_text,
+    strategy_for,
+    variant_for,
+)
+from dynctl.patching.engine import unpatched_text
+from dynctl.patching.recipe import NEW_MODULE, SERVER_ARGS
+
+PATCH_VERSIONS = ["0.5.6", "0.5.7", "0.5.8", "0.5.9", "0.5.10", "0.5.11", "0.5.12"]
+
+
+@cache
+def wheel_text(version: str, path: str) -> str | None:
+    with zipfile.ZipFile(sglang_wheel(version)) as wheel:
+        try:
+            return wheel.read(f"sglang/{path}").decode("utf-8")
+        except KeyError:
+            return None
+
+
+def originals(version: str) -> dict[str, str | None]:
+    return {path: wheel_text(version, path) for path in TARGET_FILES(version)}
+
+
+def record(version: str) -> dict[str, str]:
+    """sha256 (hex) of the target files as the wheel's RECORD lists them."""
+    import base64
+    import csv
+
+    with zipfile.ZipFile(sglang_wheel(version)) as wheel:
+        name = next(n for n in wheel.namelist() if n.endswith(".dist-info/RECORD"))
+        rows = csv.reader(wheel.read(name).decode().splitlines())
+        out = {}
+        for row in rows:
+            if row and row[0].startswith("sglang/srt/") and row[1].startswith("sha256="):
+                b64 = row[1][7:]
+                out[row[0][len("sglang/"):]] = base64.urlsafe_b64decode(b64 + "=" * (-len(b64) % 4)).hex()
+        return out
+
+
+@pytest.mark.parametrize("version", PATCH_VERSIONS)
+def test_plan_applies_compiles_and_is_idempotent(version: str) -> None:
+    before = originals(version)
+    plan = plan_patch(version, before, record=record(version))
+    assert plan.status == "ready"
+    assert [c.path for c in plan.changes] == TARGET_FILES(version)
+    after = {c.path: c.after for c in plan.changes}
+    for path, text in after.items():
+        compile(text, path, "exec")  # what py_compile does on the host
+    check_all(after)
+    for change in plan.changes:
+        assert change.sha256_before == (None if before[change.path] is None else sha256_text(before[change.path]))
+        assert change.sha256_after == hashlib.sha256(change.after.encode()).hexdigest()
+        assert change.after.startswith(before[change.path] or "") or change.before is not None
+    # planning against the patched texts: already applied, nothing to change
+    again = plan_patch(version, after, expected={c.path: c.sha256_after for c in plan.changes})
+    assert again.status == "applied" and again.changes == ()
+    assert "already applied, intact" in again.message
+    # the patch only inserts: taking it out gives the original bytes back
+    for path in TARGET_FILES(version):
+        if path != NEW_MODULE:
+            assert unpatched_text(version, path, after[path]) == before[path]
+
+
+@pytest.mark.parametrize("version", PATCH_VERSIONS)
+def test_the_diff_is_a_unified_diff_of_insertions(version: str) -> None:
+    plan = plan_patch(version, originals(version))
+    diff = plan.diff()
+    assert f"--- a/sglang/{SERVER_ARGS}" in diff and f"+++ b/sglang/{SERVER_ARGS}" in diff
+    assert f"--- /dev/null\n+++ b/sglang/{NEW_MODULE}" in diff
+    removed = [ln for ln in diff.splitlines() if ln.startswith("-") and not ln.startswith("---")]
+    assert removed == []  # insertions only
+    assert '+            "--speculative-disable-batch-threshold",' in diff
+
+
+def test_variants_follow_the_release_matrix() -> None:
+    assert [variant_for(v) for v in PATCH_VERSIONS] == ["0.5.6", "0.5.7", "0.5.8", "0.5.8", "0.5.8", "0.5.8", "0.5.12"]
+    assert variant_for("0.5.12.post1") == "0.5.12"
+
+
+# --------------------------------------------------------------------------- the release's own contract
+
+
+def _dataclass_fields(text: str, name: str, replaceable: bool = False) -> set[str]:
+    cls = next(n for n in ast.walk(ast.parse(text)) if isinstance(n, ast.ClassDef) and n.name == name)
+    if replaceable:  # dataclasses.replace() would run a __post_init__ again
+        assert not any(isinstance(n, ast.FunctionDef) and n.name == "__post_init__" for n in cls.body)
+        assert "init=False" not in ast.unparse(cls)
+    return {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+
+
+def _self_attrs(text: str, cls_name: str) -> set[str]:
+    cls = next(n for n in ast.walk(ast.parse(text)) if isinstance(n, ast.ClassDef) and n.name == cls_name)
+    attrs = {n.attr for n in ast.walk(cls) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)
+             and isinstance(n.value, ast.Name) and n.value.id == "self"}
+    return attrs | {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
+
+
+@pytest.mark.parametrize("version", PATCH_VERSIONS)
+def test_what_the_plain_decode_step_uses_exists_in_the_release(version: str) -> None:
+    """Every field, attribute and helper the inserted worker code touches is there in this release."""
+    mwb = _dataclass_fields(wheel_text(version, "srt/managers/schedule_batch.py"), "ModelWorkerBatch", True)
+    assert {"forward_mode", "input_ids", "req_pool_indices", "seq_lens", "out_cache_loc", "seq_lens_cpu",
+            "seq_lens_sum", "return_logprob", "is_extend_in_batch", "spec_info", "capture_hidden_mode",
+            "has_grammar"} <= mwb
+    result = _dataclass_fields(wheel_text(version, "srt/managers/utils.py"), "GenerationBatchResult")
+    assert {"logits_output", "next_token_ids", "can_run_cuda_graph", "accept_lens", "next_draft_input"} <= result
+    draft = _dataclass_fields(wheel_text(version, "srt/speculative/eagle_info.py"), "EagleDraftInput")
+    bonus = "bonus_tokens" if variant_for(version) == "0.5.12" else "verified_id"
+    assert {bonus, "new_seq_lens", "verify_done"} <= draft
+
+    # The scheduler reads the token stride where the variant puts it.
+    mixin = wheel_text(version, "srt/managers/scheduler_output_processor_mixin.py")
+    if variant_for(version) == "0.5.12":
+        assert "speculative_num_draft_tokens" in result
+        assert "stride = result.speculative_num_draft_tokens" in mixin
+    else:
+        assert "stride = self.draft_worker.speculative_num_draft_tokens" in mixin
+
+    info_v2 = ast.parse(wheel_text(version, "srt/speculative/eagle_info_v2.py"))
+    func = next(n for n in info_v2.body if isinstance(n, ast.FunctionDef) and n.name == "assign_extend_cache_locs_func")
+    assert [a.arg for a in func.args.args] == ["req_pool_indices", "req_to_token", "start_offset", "end_offset",
+                                               "batch_size", "draft_token_num", "device"]
+    fbi = wheel_text(version, "srt/model_executor/forward_batch_info.py")
+    assert "ret.positions = clamp_position(batch.seq_lens)" in fbi  # DECODE positions are seq_lens - 1
+    assert "self.graph_runner.can_run(forward_batch)" in wheel_text(version, "srt/model_executor/model_runner.py")
+
+    worker = wheel_text(version, "srt/speculative/eagle_worker_v2.py")
+    assert {"server_args", "tp_rank", "device", "speculative_num_draft_tokens", "req_to_token_pool",
+            "target_worker", "draft_worker"} <= _self_attrs(worker, "EAGLEWorkerV2")
+    draft_worker = _self_attrs(worker, "EagleDraftWorker")
+    assert {"_draft_extend_for_decode", "draft_runner"} <= draft_worker
+    if variant_for(version) not in ("0.5.6", "0.5.7"):
+        assert "draft_tp_context" in draft_worker
+    # what each release does around its own draft-extend, mirrored by the compat methods
+    around = worker[worker.index("batch_output = self.verify(model_worker_batch)"):]
+    around = around[: around.index("._draft_extend_for_decode(")]
+    assert ("draft_tp_context" in around) == (variant_for(version) not in ("0.5.6", "0.5.7"))
+    assert ("speculative_moe_backend_context" in around) == (variant_for(version) != "0.5.6")
+
+
+# --------------------------------------------------------------------------- refusals
+
+
+def test_a_hand_edited_anchor_is_refused_naming_file_and_anchor() -> None:
+    texts = originals("0.5.9")
+    texts[SERVER_ARGS] = texts[SERVER_ARGS].replace(
+        "    speculative_num_draft_tokens: Optional[int] = None\n",
+        "    speculative_num_draft_tokens: Optional[int] = 4  # tuned by hand\n",
+    )
+    with pytest.raises(PatchRefused) as err:
+        plan_patch("0.5.9", texts)
+    assert err.value.file == SERVER_ARGS
+    assert "speculative_num_draft_tokens: Optional[int] = None" in err.value.anchor
+    assert "srt/server_args.py: anchor for the speculative_num_draft_tokens field not found" in str(err.value)
+    assert err.value.exit_code == 3
+
+
+def test_a_hand_edit_away_from_the_anchors_is_caught_by_the_record() -> None:
+    texts = originals("0.5.9")
+    texts[SERVER_ARGS] = texts[SERVER_ARGS].replace("# Handle model loading format.", "# edited on the box")
+    plan_patch("0.5.9", texts)  # the anchors alone cannot tell
+    with pytest.raises(PatchRefused, match=r"srt/server_args.py: edited by hand .*RECORD"):
+        plan_patch("0.5.9", texts, record=record("0.5.9"))
+
+
+def test_an_anchor_found_twice_is_refused() -> None:
+    texts = originals("0.5.10")
+    texts[SERVER_ARGS] += "\n    speculative_num_draft_tokens: Optional[int] = None\n"
+    with pytest.raises(PatchRefused, match="found 2 times, expected once"):
+        plan_patch("0.5.10", texts)
+
+
+def test_eagle_worker_must_end_with_the_class() -> None:
+    texts = originals("0.5.8")
+    texts["srt/speculative/eagle_worker_v2.py"] += "\n\ndef helper():\n    pass\n"
+    with pytest.raises(PatchRefused, match="EAGLEWorkerV2 is not the last definition"):
+        plan_patch("0.5.8", texts)
+
+
+def _patched(version: str) -> dict[str, str]:
+    return {c.path: c.after for c in plan_patch(version, originals(version)).changes}
+
+
+def test_edited_inserted_code_is_patched_but_modified() -> None:
+    texts = _patched("0.5.9")
+    texts["srt/managers/scheduler.py"] = texts["srt/managers/scheduler.py"].replace(
+        'logging.warning(f"Updating {k} to {v!r} is rejected: {e}")', "pass")
+    with pytest.raises(PatchRefused, match=r"patched but modified: srt/managers/scheduler.py"):
+        plan_patch("0.5.9", texts)
+
+
+def test_a_patched_file_edited_elsewhere_is_caught_by_the_release_sha() -> None:
+    plan = plan_patch("0.5.11", originals("0.5.11"))
+    texts = {c.path: c.after for c in plan.changes}
+    texts[SERVER_ARGS] = texts[SERVER_ARGS].replace("# Handle model loading format.", "# edited")
+    expected = {c.path: c.sha256_after for c in plan.changes}
+    assert plan_patch("0.5.11", texts).status == "applied"  # the inserted code is intact
+    with pytest.raises(PatchRefused, match=r"patched but modified: srt/server_args.py"):
+        plan_patch("0.5.11", texts, expected=expected)
+
+
+def test_a_modified_new_module_is_refused() -> None:
+    texts = _patched("0.5.12")
+    texts[NEW_MODULE] = texts[NEW_MODULE].replace("NEVER = -1", "NEVER = -2")
+    with pytest.raises(PatchRefused, match=r"patched but modified: srt/speculative/spec_batch_threshold.py"):
+        plan_patch("0.5.12", texts)
+
+
+def test_a_half_patched_tree_is_refused() -> None:
+    texts = originals("0.5.7")
+    texts[SERVER_ARGS] = _patched("0.5.7")[SERVER_ARGS]
+    with pytest.raises(PatchRefused, match=r"partly applied: srt/server_args.py patched"):
+        plan_patch("0.5.7", texts)
+
+
+def test_a_missing_target_file_is_refused() -> None:
+    texts = originals("0.5.6")
+    del texts["srt/managers/scheduler.py"]
+    with pytest.raises(PatchRefused, match="srt/managers/scheduler.py: file not found"):
+        plan_patch("0.5.6", texts)
+
+
+# --------------------------------------------------------------------------- versions and thresholds
+
+
+@pytest.mark.parametrize(("version", "strategy"), [
+    ("0.5.6", "patch"), ("0.5.9", "patch"), ("0.5.12", "patch"), ("0.5.6.post2", "patch"),
+    ("0.5.10.post1", "patch"), ("0.5.14", "native"), ("0.5.15.post1", "native"), ("0.5.23", "native"),
+    ("0.6.0", "native"),
+])
+def test_strategy_for_supported_versions(version: str, strategy: str) -> None:
+    assert strategy_for(version) == strategy
+    assert TARGET_FILES(version) == ([] if strategy == "native" else
+                                     ["srt/server_args.py", "srt/managers/scheduler.py",
+                                      "srt/speculative/eagle_worker_v2.py", "srt/speculative/spec_batch_threshold.py"])
+
+
+@pytest.mark.parametrize(("version", "why"), [
+    ("0.5.5", "too old"), ("0.5.5.post3", "too old"), ("0.4.10", "too old"), ("0.5.13", "not supported"),
+    ("0.5.13.post1", "not supported"), ("0.5.10.dev3+g1a2b3c", "not a release"), ("0.5.9rc1", "not a release"),
+    ("0.5.9+cu128", "not a release"), ("", "not a release"), ("unknown", "not a release"),
+])
+def test_unsupported_versions_are_refused_with_version_and_ranges(version: str, why: str) -> None:
+    with pytest.raises(PreflightError) as err:
+        strategy_for(version)
+    assert err.value.exit_code == 3
+    assert why in str(err.value)
+    assert SUPPORTED in str(err.value)
+    assert (version in str(err.value)) if version else "''" in str(err.value)
+
+
+@pytest.mark.parametrize("value", [-1, 0, 5, "32", " 7 ", "+3", MAX_THRESHOLD])
+def test_thresholds_accepted(value: object) -> None:
+    assert parse_threshold(value) == int(str(value).strip())
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    (-2, "below -1"), ("-2", "below -1"), ("abc", "not an integer"), ("1e3", "not an integer"),
+    ("1.5", "not an integer"), ("", "not an integer"), (True, "expected an integer"),
+    (MAX_THRESHOLD + 1, "larger than 1,000,000"), ("99999999999999999999", "larger than"),
+])
+def test_thresholds_refused_with_usage_errors(value: object, message: str) -> None:
+    with pytest.raises(UsageError, match=message) as err:
+        parse_threshold(value, "--threshold")
+    assert err.value.exit_code == 2
+    assert str(err.value).startswith("--threshold: ")

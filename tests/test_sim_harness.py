@@ -1,0 +1,163 @@
+"""Starting and stopping the simulated sglang server as a real subprocess, for the test_sim_* files.
+
+No test lives here. Servers bind random 127.0.0.1 ports, are started in their own session, and are
+torn down by pid (the whole tree, the orphan fault's grandchild included).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from dynctl.patching import TARGET_FILES, plan_patch
+from sglang_trees import install_sglang
+
+SPEC_ARGS = ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "/models/draft",
+             "--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(condition, timeout: float, what: str, interval: float = 0.02):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+
+
+def install_patched(version: str, site: Path) -> Path:
+    """A tree patched by dynctl's own patch engine (the planner; files written directly)."""
+    package = install_sglang(version, site)
+    originals = {p: (package / p).read_text(encoding="utf-8") if (package / p).exists() else None
+                 for p in TARGET_FILES(version)}
+    for change in plan_patch(version, originals).changes:
+        (package / change.path).write_text(change.after, encoding="utf-8")
+    return package
+
+
+class Sim:
+    """One `python -m dynctl.sim` process and what it wrote."""
+
+    def __init__(self, site: Path, argv: list[str], workdir: Path, env: dict[str, str] | None = None,
+                 port: int | None = None):
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = workdir / f"sim-{self.port}.log"
+        environ = {k: v for k, v in os.environ.items() if not k.startswith(("DYNCTL_SIM_", "SGLANG_"))}
+        environ.update({"PYTHONPATH": str(site), "PYTHONUNBUFFERED": "1"})
+        environ.update(env or {})
+        self.argv = [sys.executable, "-m", "dynctl.sim", *argv, "--port", str(self.port)]
+        self.log_file = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(self.argv, env=environ, cwd=workdir, stdin=subprocess.DEVNULL,
+                                     stdout=self.log_file, stderr=subprocess.STDOUT, start_new_session=True)
+        self._tree: set[int] = set()
+
+    @property
+    def log(self) -> str:
+        return self.log_path.read_text(encoding="utf-8", errors="replace")
+
+    def wait_ready(self, timeout: float = 30) -> "Sim":
+        def ready():
+            if self.proc.poll() is not None:
+                raise AssertionError(f"simulator exited {self.proc.returncode} before ready:\n{self.log[-4000:]}")
+            return "The server is fired up and ready to roll!" in self.log
+        wait_for(ready, timeout, "the simulator to be ready")
+        self.remember_tree()
+        return self
+
+    def wait_exit(self, timeout: float = 30) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"simulator still running after {timeout} s:\n{self.log[-3000:]}") from None
+
+    def remember_tree(self) -> set[int]:
+        with contextlib.suppress(psutil.Error):
+            self._tree |= {p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)}
+        return self._tree
+
+    def children(self) -> list[psutil.Process]:
+        with contextlib.suppress(psutil.Error):
+            return psutil.Process(self.proc.pid).children(recursive=True)
+        return []
+
+    def client(self, **kw) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=kw.pop("timeout", 30), **kw)
+
+    def stop(self) -> None:
+        """Kill whatever is left of this server, by pid."""
+        pids = self.remember_tree() | {self.proc.pid}
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(10)
+        self.log_file.close()
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def listeners(port: int) -> list[int]:
+    """Every process holding a listening socket on `port` (psutil.net_connections names only one
+    process per socket, and the orphan fault shares the server's socket)."""
+    found = []
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
+                   for c in proc.net_connections(kind="tcp")):
+                found.append(proc.pid)
+    return sorted(found)
+
+
+@pytest.fixture(scope="session")
+def site_059(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A pristine sglang 0.5.9 tree (shared: tests must not modify it)."""
+    site = tmp_path_factory.mktemp("sglang-0.5.9") / "site"
+    install_sglang("0.5.9", site)
+    return site
+
+
+@pytest.fixture(scope="session")
+def patched_site_059(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """sglang 0.5.9 with dynctl's patch applied (shared: tests must not modify it)."""
+    site = tmp_path_factory.mktemp("sglang-0.5.9-patched") / "site"
+    install_patched("0.5.9", site)
+    return site
+
+
+@pytest.fixture
+def start_sim(tmp_path: Path) -> Iterator:
+    """start_sim(site, argv, env=None) -> Sim (not yet ready); every server is killed after the test."""
+    started: list[Sim] = []
+
+    def start(site: Path, argv: list[str], env: dict[str, str] | None = None, port: int | None = None) -> Sim:
+        sim = Sim(site, argv, tmp_path, env, port)
+        started.append(sim)
+        return sim
+
+    yield start
+    for sim in started:
+        sim.stop()
