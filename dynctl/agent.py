@@ -10,7 +10,7 @@ from typing import Any
 
 from dynctl import resources
 from dynctl.config import HostConfig
-from dynctl.errors import DynctlError, OperationFailed, PreflightError, UsageError
+from dynctl.errors import DynctlError, OperationFailed, PreflightError, UnreachableError, UsageError
 from dynctl.transport.base import Transport
 
 PROTOCOL = 1
@@ -153,4 +153,6 @@ class AgentClient:
             if not got_any and stream.rc == _MISSING_RC and attempt == 1:
                 self.upload()
                 continue
+            if stream.rc is None or stream.rc < 0:  # no exit status: the connection went away
+                raise UnreachableError(f"{self.host.name}: connection lost during agent stream '{verb}'")
             raise OperationFailed(f"{self.host.name}: agent stream '{verb}' ended early (rc {stream.rc})")

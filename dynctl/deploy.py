@@ -45,6 +45,7 @@ def plan_deploy(agent: AgentClient, host: HostConfig, threshold: Any) -> DeployP
     """Inspect the host and work out what deploying `threshold` means there; changes nothing."""
     threshold = parse_threshold(threshold)
     baseline = server_argv(host)
+    refuse_if_busy(agent)
     state = read_patch_state(agent)
     if state.version is None:
         raise PreflightError(f"{host.name}: sglang is not installed for {state.python}; nothing to deploy to")
@@ -68,6 +69,16 @@ def plan_deploy(agent: AgentClient, host: HostConfig, threshold: Any) -> DeployP
                            list(native.warnings), patch_detail=state.detail)
     dplan.noop = _already_deployed(agent, dplan, state.release)
     return dplan
+
+
+def refuse_if_busy(agent: AgentClient) -> None:
+    """One operation per host: name the one that runs instead of planning against its half-done work."""
+    holder = agent.call("op_current")["holder"]
+    if holder:
+        raise PreflightError(
+            f"{agent.host.name}: host is busy: {holder.get('operation')} by {holder.get('who')} "
+            f"(from {holder.get('client_host')}, worker pid {holder.get('pid')}) since {holder.get('started')}; "
+            f"nothing was changed")
 
 
 def _already_deployed(agent: AgentClient, dplan: DeployPlan, release: dict[str, Any] | None) -> str | None:
@@ -141,6 +152,7 @@ def deploy(agent: AgentClient, dplan: DeployPlan, on_event: events.EventSink = e
 def rollback(agent: AgentClient, host: HostConfig, to: str | None = None,
              on_event: events.EventSink = events.ignore, grace: float = 60.0,
              ready_timeout: float = 900.0) -> dict[str, Any]:
+    refuse_if_busy(agent)
     params = {"baseline_argv": server_argv(host), "to": to, "grace": grace, "ready_timeout": ready_timeout}
     return run_operation(agent, "rollback", params, on_event)
 

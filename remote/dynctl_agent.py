@@ -478,6 +478,12 @@ def _lock_holder(ctx):
     return None
 
 
+@verb("op_current")
+def op_current(ctx, **_):
+    """The live holder of the host lock (operation, who, pid, since), or None."""
+    return {"holder": _lock_holder(ctx)}
+
+
 @verb("op_follow", stream=True)
 def op_follow(ctx, op_id=None, from_line=0, **_):
     """Yield the events of an operation (the running one when op_id is None) until its final event."""
@@ -2644,7 +2650,7 @@ def apply_release(ctx, files, sglang_version, strategy="patch", threshold=None, 
         entries.append({"path": rel, "target": target, "data": data, "sha256_before": item["sha256_before"],
                         "sha256_after": item["sha256_after"]})
     _pt_journal(ctx, "patch.apply.begin", sglang_version=sglang_version, strategy=strategy, threshold=threshold,
-            files=[e["path"] for e in entries])
+                files=[e["path"] for e in entries])
 
     candidates = []
 
@@ -2749,6 +2755,7 @@ def apply_release(ctx, files, sglang_version, strategy="patch", threshold=None, 
         if problems:
             raise AgentError("%s; rolling back FAILED for %s (backups kept in %s)"
                              % (reason, "; ".join(problems), release_dir), "failed")
+        ctx.changed = False
         raise AgentError("%s; every original was restored" % reason, "failed")
 
     dropped = []
@@ -2827,6 +2834,14 @@ def revert_release(ctx, release=None):
             raise AgentError("release %s has no backup of %s; nothing was reverted" % (release, entry["path"]),
                              "failed")
         todo.append(entry)
+    for folder in sorted({os.path.dirname(_pt_target(package_dir, e["path"])) for e in todo}):
+        probe = os.path.join(folder, ".dynctl-probe.%d" % os.getpid())
+        try:
+            _pt_write_bytes(probe, b"")
+            os.unlink(probe)
+        except OSError as err:
+            raise AgentError("cannot write in %s: %s; nothing was reverted" % (folder, err.strerror or err),
+                             "preflight")
     _pt_journal(ctx, "patch.revert.begin", release=release, files=[e["path"] for e in todo])
     restored = []
     for entry in todo:
@@ -3002,7 +3017,12 @@ def op_deploy(ctx, oplog, files, sglang_version, strategy, threshold, launch_arg
               artifacts=None, grace=60, ready_timeout=900, **_):
     _dp_recover(ctx, oplog)
     previous, previous_argv = _dp_previous_argv(ctx, baseline_argv)
-    running = locate_server(ctx)["server"]
+    loc = locate_server(ctx)
+    running = loc["server"]
+    if running is None and loc["foreign"]:
+        pid = loc["foreign"][0]
+        raise AgentError("port %d is held by pid %d (%s), which dynctl does not manage; nothing was changed "
+                         "and nothing was killed" % (ctx.port, pid, " ".join(cmdline(pid))[:200]), "preflight")
     with oplog.step("switch", "validate with %s, back up, swap %d file(s)" % (ctx.python, len(files))):
         applied = apply_release(ctx, files, sglang_version, strategy=strategy, threshold=threshold,
                                 launch_argv=launch_argv, artifacts=artifacts)

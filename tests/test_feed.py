@@ -47,8 +47,14 @@ class Recorder:
 
 def agents_of(workdir: Path) -> list[psutil.Process]:
     """This test's own agent processes: children of this process running the agent from `workdir`."""
-    return [p for p in psutil.Process().children(recursive=True)
-            if str(workdir) in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE]
+    found = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and str(workdir) in " ".join(p.cmdline()):
+                found.append(p)
+        except psutil.Error:  # exited between the listing and the look
+            continue
+    return found
 
 
 def wait_until(check: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:

@@ -241,6 +241,18 @@ def test_read_only_site_packages_is_refused(make_box) -> None:
     assert box.releases() == []
 
 
+def test_revert_on_a_read_only_package_changes_nothing(make_box) -> None:
+    box = make_box("0.5.9")
+    apply_plan(box.agent, plan_for_apply(read_patch_state(box.agent)))
+    patched = box.hashes()
+    pkg = str(box.package)
+    with _mounted([["mount", "--bind", pkg, pkg], ["mount", "-o", "remount,bind,ro", pkg, pkg]], box.package):
+        with pytest.raises(AgentError, match=r"cannot write in .*Read-only file system; nothing was reverted"):
+            box.agent.call("patch_revert")
+        assert box.hashes() == patched
+    assert box.agent.call("patch_revert")["current"] is None and box.hashes() == box.pristine
+
+
 def test_disk_full_while_backing_up_swaps_nothing(make_box) -> None:
     """releases/ on a 64 KiB tmpfs: the server_args.py backup (300+ KB) hits a real ENOSPC."""
     box = make_box("0.5.12")

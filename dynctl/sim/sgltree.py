@@ -172,8 +172,31 @@ def _format(frames: list[Frame], err: BaseException, runpy: bool,
             lineno, text = found
         lines.append(f'  File "{frame.path}", line {lineno}, in {frame.function}\n')
         lines.append(f"    {text.strip()}\n")
-    lines.extend(traceback.format_exception_only(type(err), err))
+    if isinstance(err, SyntaxError):
+        lines.extend(format_syntax_error(err))
+    else:
+        lines.extend(traceback.format_exception_only(type(err), err))
     return "".join(lines)
+
+
+def format_syntax_error(err: SyntaxError) -> list[str]:
+    """A SyntaxError as the interpreter prints it (pythonrun.c print_error_text, CPython 3.11): the
+    traceback module draws no carets when the error spans two lines, the interpreter does."""
+    lines = [f'  File "{err.filename}", line {err.lineno}\n']
+    if err.text is not None:
+        raw = err.text.rstrip("\r\n")
+        stripped = raw.lstrip(" \t\f")
+        shift = len(raw) - len(stripped)
+        lines.append(f"    {stripped}\n")
+        if err.offset:
+            start = max(1, err.offset - shift)
+            if err.end_lineno == err.lineno and err.end_offset:
+                end = err.end_offset - shift
+            else:
+                end = len(stripped) + 1
+            lines.append("    " + " " * (start - 1) + "^" * max(1, end - start) + "\n")
+    lines.append(f"{type(err).__name__}: {err.msg}\n")
+    return lines
 
 
 def _line(path: Path, lineno: int) -> str:

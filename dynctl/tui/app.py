@@ -7,6 +7,7 @@ Nothing here waits on the network.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -160,8 +161,9 @@ class DynctlApp(App[int]):
     ENABLE_COMMAND_PALETTE = False
 
     def __init__(self, hosts: Sequence[str], feed_factory: FeedFactory, actions: ActionsFactory,
-                 read_only: bool = False, window_s: float = 300.0) -> None:
+                 read_only: bool = False, window_s: float = 300.0, clock: Callable[[], float] = time.time) -> None:
         super().__init__()
+        self.clock = clock  # this machine's time, for "since …" counters (tests pin it)
         if not hosts:
             raise ValueError("dynctl tui needs at least one host")
         self.hosts = list(hosts)
@@ -356,9 +358,10 @@ class DynctlApp(App[int]):
 
 
 def create_app(hosts: Sequence[str], feed_factory: FeedFactory, actions: ActionsFactory | None = None,
-               read_only: bool = False, window_s: float = 300.0) -> DynctlApp:
+               read_only: bool = False, window_s: float = 300.0, clock: Callable[[], float] = time.time) -> DynctlApp:
     """The dashboard for `hosts`; `feed_factory(on_update)` builds the feed, `actions(host)` what the keys call."""
-    return DynctlApp(hosts, feed_factory, actions or UnwiredActions, read_only=read_only, window_s=window_s)
+    return DynctlApp(hosts, feed_factory, actions or UnwiredActions, read_only=read_only, window_s=window_s,
+                     clock=clock)
 
 
 __all__ = ["DynctlApp", "create_app", "HostUpdated", "ActionProgress", "ActionFinished", "FeedFactory"]

@@ -109,9 +109,13 @@ def render_chart(points: Sequence[Point], switches: Sequence[Switch], width: int
     start = end - window_s
     binned = bin_points(points, start, end, cols)
     marks: dict[int, Switch] = {}
+    flapping: set[int] = set()  # columns where speculation went both ways
     for s in switches:
         if start <= s.time < end:
-            marks[min(cols - 1, int((s.time - start) / (window_s / cols)))] = s
+            col = min(cols - 1, int((s.time - start) / (window_s / cols)))
+            if col in marks and marks[col].enabled != s.enabled:
+                flapping.add(col)
+            marks[col] = s
     levels = [None if v is None else max(0, min(rows * 8, round(v / top * rows * 8))) for v, _ in binned]
     for r in range(rows):
         label = short_number(top) if r == 0 else ("0" if r == rows - 1 else "")
@@ -132,7 +136,9 @@ def render_chart(points: Sequence[Point], switches: Sequence[Switch], width: int
         text.append("\n")
     text.append(" " * label_w + "└", style=AXIS_STYLE)
     for i in range(cols):
-        if i in marks:
+        if i in flapping:
+            text.append("◆", style="bold yellow")
+        elif i in marks:
             text.append("▲" if marks[i].enabled else "▼", style="bold " + _style(marks[i].enabled))
         else:
             text.append("─", style=AXIS_STYLE)

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 
 from rich.text import Text
 
-from dynctl.metrics import GpuStat, split_log_prefix
+from dynctl.metrics import GpuStat, parse_decode_line, split_log_prefix
 from dynctl.snapshot import HostSnapshot
 from dynctl.tui.chart import OFF_STYLE, ON_STYLE
 
@@ -67,7 +67,10 @@ def render_header(snap: HostSnapshot | None, host: str, read_only: bool = False)
     t.append_text(Text.assemble(sep, snap.strategy or "no patch"))
     if snap.release:
         t.append_text(Text.assemble(sep, ("rel ", DIM), snap.release))
-    t.append_text(Text.assemble(sep, (snap.state.upper(), STATE_STYLE.get(snap.state, ""))))
+    if snap.connected:
+        t.append_text(Text.assemble(sep, (snap.state.upper(), STATE_STYLE.get(snap.state, ""))))
+    else:
+        t.append_text(Text.assemble(sep, (f"last seen {snap.state.upper()}", DIM)))
     if snap.uptime_s is not None:
         t.append(f" up {duration(snap.uptime_s)}", style=DIM)
     if snap.pid is not None:
@@ -277,18 +280,18 @@ def render_gpus(gpus: Sequence[GpuStat], error: str | None, width: int, height: 
     return t
 
 
-# The decode line's keys (sglang scheduler_metrics_mixin.py log_decode_stats) shortened for a narrow tail.
-_DECODE_KEYS = (("#running-req", "run"), ("#token", "tok"), ("token usage", "kv"), ("accept len", "acc"),
-                ("accept rate", "rate"), ("cuda graph", "graph"), ("gen throughput (token/s)", "tok/s"),
-                ("#queue-req", "queue"))
-
-
 def shorten_decode(message: str) -> str:
-    if not message.startswith("Decode batch"):
+    """sglang's "Decode batch, #running-req: …" with what matters first, so a narrow tail still shows it."""
+    d = parse_decode_line(message) if message.startswith("Decode batch") else None
+    if d is None:
         return message
-    for long, short in _DECODE_KEYS:
-        message = message.replace(long + ":", short + ":")
-    return message.replace("Decode batch,", "decode")
+    parts = [f"decode run {count(d.running_reqs)}", f"{count(d.gen_throughput)} tok/s"]
+    if d.accept_length is not None:
+        parts.append(f"acc {d.accept_length:.2f}")
+    if d.token_usage is not None:
+        parts.append(f"kv {d.token_usage * 100:.0f}%")
+    parts.append(f"queue {count(d.queue_reqs)}")
+    return " · ".join(parts)
 
 
 def render_log_line(line: str, utc_offset: float | None = None) -> Text:

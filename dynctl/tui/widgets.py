@@ -56,18 +56,25 @@ class HostsBar(Widget):
     def render(self) -> Text:
         return panels.render_hosts(self.hosts, self.current, self.latest)
 
+    def text(self) -> str:
+        return self.render().plain
+
+
+def _now(widget: Widget) -> float:
+    return getattr(widget.app, "clock", time.time)()
+
 
 class Banner(SnapshotPanel):
     """Disconnected / operation-in-progress line; hidden when there is nothing to say."""
 
     def show(self, snap: HostSnapshot | None, history: HostHistory | None) -> None:
         super().show(snap, history)
-        banner = panels.render_banner(snap, time.time())
+        banner = panels.render_banner(snap, _now(self))
         self.display = banner is not None
         self.set_class(snap is not None and not snap.connected, "-disconnected")
 
     def render(self) -> Text:
-        return panels.render_banner(self.snapshot, time.time()) or Text()
+        return panels.render_banner(self.snapshot, _now(self)) or Text()
 
 
 class SpeculationPanel(SnapshotPanel):
@@ -157,7 +164,7 @@ class ActionLog(RichLog):
 
     def add(self, host: str, level: str, text: str) -> None:
         line = Text(no_wrap=False)
-        line.append(time.strftime("%H:%M:%S "), style=panels.DIM)
+        line.append(panels.clock(_now(self)) + " ", style=panels.DIM)
         line.append(f"{host} ", style="bold")
         line.append(text, style=self.STYLES.get(level, ""))
         self.lines_written.append(line.plain)

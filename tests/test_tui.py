@@ -1,0 +1,338 @@
+"""The dashboard's behaviour with Pilot: snapshots in, indicators, banner, keys, modals, read-only, hosts.
+
+The feed is a PushFeed (the same histories and callback as the live one) fed with `watch` items in the
+agent's exact shape; actions are recorded by a small HostActions implementation.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+from textual.widgets import Input
+
+from dynctl.feed import PushFeed
+from dynctl.snapshot import HostSnapshot, disconnected
+from dynctl.tui.app import DynctlApp, HostUpdated, create_app
+from dynctl.tui.modals import ConfirmModal, ThresholdModal
+from dynctl.tui.widgets import ActionLog, Banner, ChartPanel, HeaderBar, HostsBar, LoadPanel, LogTail, SpeculationPanel
+from watch_items import decode_line, item, ramp, transition_line
+
+T0 = 1_795_950_000.0  # a fixed host time (UTC)
+
+
+class RecordingActions:
+    """HostActions that records what the keys asked for and reports progress like the core does."""
+
+    def __init__(self, host: str, calls: list[tuple[str, str, Any]], gate: threading.Event | None = None) -> None:
+        self.host, self.calls, self.gate = host, calls, gate
+
+    def _run(self, name: str, arg: Any, on_event: Any) -> str:
+        self.calls.append((self.host, name, arg))
+        on_event({"type": "step_started", "step": f"{name} step", "detail": "first"})
+        if self.gate is not None:
+            assert self.gate.wait(10)
+        on_event({"type": "step_done", "step": f"{name} step", "seconds": 0.25})
+        return "ok"
+
+    def deploy(self, threshold: int, on_event: Any) -> str:
+        return self._run("deploy", threshold, on_event)
+
+    def rollback(self, on_event: Any) -> str:
+        return self._run("rollback", None, on_event)
+
+    def set_threshold(self, n: int) -> int:
+        self.calls.append((self.host, "set_threshold", n))
+        return n
+
+    def stop(self, on_event: Any) -> str:
+        return self._run("stop", None, on_event)
+
+    def start(self, on_event: Any) -> str:
+        return self._run("start", None, on_event)
+
+    def restart(self, on_event: Any) -> str:
+        return self._run("restart", None, on_event)
+
+    def bench(self, on_event: Any) -> str:
+        return self._run("bench", None, on_event)
+
+
+class Harness:
+    def __init__(self, hosts: list[str], read_only: bool = False, actions: bool = True,
+                 gate: threading.Event | None = None) -> None:
+        self.calls: list[tuple[str, str, Any]] = []
+        self.feed: PushFeed | None = None
+
+        def feed_factory(on_update: Any) -> PushFeed:
+            self.feed = PushFeed(hosts, on_update)
+            return self.feed
+
+        factory = (lambda h: RecordingActions(h, self.calls, gate)) if actions else None
+        self.app: DynctlApp = create_app(hosts, feed_factory, factory, read_only=read_only, clock=lambda: T0 + 30)
+
+    def push(self, raw: dict[str, Any], host: str | None = None) -> HostSnapshot:
+        assert self.feed is not None
+        return self.feed.push_item(raw, host or self.app.hosts[0])
+
+    def panel(self, cls: type) -> Any:
+        return self.app.dashboard.query_one(cls)
+
+
+def log_text(log: LogTail | ActionLog) -> list[str]:
+    return [strip.text.rstrip() for strip in log.lines]
+
+
+@pytest.fixture
+def harness() -> Harness:
+    return Harness(["glm5"])
+
+
+@pytest.mark.asyncio
+class TestIndicators:
+    async def test_speculation_flips_off_and_on_with_the_switch_time(self, harness: Harness) -> None:
+        async with harness.app.run_test(size=(80, 24)) as pilot:
+            harness.push(item(T0, 0, 3, tps=290.0))
+            await pilot.pause()
+            spec = harness.panel(SpeculationPanel)
+            assert "SPECULATION ON" in spec.text() and spec.has_class("-on")
+            assert "batch    3" in harness.panel(LoadPanel).text() and "thr 5" in harness.panel(LoadPanel).text()
+            harness.push(item(T0 + 1, 1, 7, marks=[transition_line(T0 + 0.6, False, 7, 5)]))
+            await pilot.pause()
+            assert "SPECULATION OFF" in spec.text() and spec.has_class("-off") and not spec.has_class("-on")
+            assert "since 11:00:00" in spec.text() and "batch 7 > threshold 5" in spec.text()
+            harness.push(item(T0 + 20, 2, 4, marks=[transition_line(T0 + 19.7, True, 4, 5)]))
+            await pilot.pause()
+            assert "SPECULATION ON" in spec.text() and "since 11:00:19 (1s ago)" in spec.text()  # host clock
+            axis = harness.panel(ChartPanel).text().splitlines()[-1]
+            assert axis.index("▼") < axis.index("▲")  # off, then on, in time order
+
+    async def test_header_shows_host_version_strategy_release_state_uptime(self, harness: Harness) -> None:
+        async with harness.app.run_test(size=(120, 30)) as pilot:
+            assert "waiting for the first sample" in harness.panel(HeaderBar).text()
+            harness.push(item(T0, 0, 3))
+            await pilot.pause()
+            text = harness.panel(HeaderBar).text()
+            for part in ("glm5", "sglang 0.5.9", "patch", "rel 20261129T120000-deploy", "READY", "up 2h03m", "pid 4242"):
+                assert part in text
+
+    async def test_server_down_and_no_speculation_configured(self, harness: Harness) -> None:
+        async with harness.app.run_test(size=(80, 24)) as pilot:
+            harness.push(item(T0, 0, 0, pid=None, http=False))
+            await pilot.pause()
+            assert "DOWN" in harness.panel(HeaderBar).text()
+            assert "SPECULATION ?" in harness.panel(SpeculationPanel).text()
+            assert "batch    —" in harness.panel(LoadPanel).text()
+
+    async def test_disconnected_banner_appears_counts_and_goes(self, harness: Harness) -> None:
+        async with harness.app.run_test(size=(80, 24)) as pilot:
+            live = harness.push(item(T0, 0, 3))
+            await pilot.pause()
+            banner = harness.panel(Banner)
+            assert not banner.display
+            assert harness.feed is not None
+            harness.feed.push(disconnected("glm5", T0 + 10, "ssh: connection reset", live, retry_at=T0 + 34))
+            await pilot.pause()
+            assert banner.display and banner.has_class("-disconnected")
+            text = banner.text()
+            assert "DISCONNECTED since 11:00:10 (20s)" in text and "retry in 4s" in text and "connection reset" in text
+            assert harness.panel(SpeculationPanel).has_class("-stale")
+            assert "batch    3" in harness.panel(LoadPanel).text()  # last known values stay
+            harness.push(item(T0 + 40, 0, 5))
+            await pilot.pause()
+            assert not banner.display
+
+    async def test_log_tail_follows_even_when_updates_are_merged(self, harness: Harness) -> None:
+        async with harness.app.run_test(size=(100, 30)) as pilot:
+            for i in range(5):  # five updates before the UI runs: merged into one message, no line lost
+                harness.push(item(T0 + i, i, 3, log=[decode_line(T0 + i, 3, 290.0 + i)]))
+            await pilot.pause()
+            lines = log_text(harness.panel(LogTail))
+            assert len(lines) == 5
+            assert lines[0] == "11:00:00 TP0 decode run 3 · 290 tok/s · acc 2.50 · kv 10% · queue 0"
+            assert lines[-1].startswith("11:00:04 TP0 decode run 3 · 294 tok/s")
+            assert harness.app.updates < 5  # the newer update replaced queued ones
+
+    async def test_chart_draws_the_ramp(self, harness: Harness) -> None:
+        async with harness.app.run_test(size=(80, 24)) as pilot:
+            for raw in ramp(T0, 120, threshold=5, peak=16):
+                harness.push(raw)
+            await pilot.pause()
+            chart = harness.panel(ChartPanel).text()
+            assert chart.count("▼") == 1 and chart.count("▲") == 1
+            assert "█" in chart and chart.splitlines()[0].lstrip().startswith("1.2k")  # peak 1120 tok/s
+
+
+@pytest.mark.asyncio
+class TestKeysAndModals:
+    async def test_deploy_asks_a_valid_threshold_then_runs_with_progress(self, harness: Harness) -> None:
+        async with harness.app.run_test(size=(80, 24)) as pilot:
+            harness.push(item(T0, 0, 3))
+            await pilot.pause()
+            await pilot.press("d")
+            modal = harness.app.screen
+            assert isinstance(modal, ThresholdModal)
+            field = modal.query_one(Input)
+            assert field.value == "5"  # the threshold in force
+            field.value = ""
+            await pilot.press("minus", "3", "enter")
+            await pilot.pause()
+            assert isinstance(harness.app.screen, ThresholdModal)  # refused
+            assert "threshold must be" in str(modal.query_one("#dialog-error").content)
+            field.value = ""
+            await pilot.press("1", "2", "enter")
+            await harness.app.workers.wait_for_complete()
+            await pilot.pause()
+            assert harness.calls == [("glm5", "deploy", 12)]
+            lines = log_text(harness.panel(ActionLog))
+            assert any("▶ deploy threshold 12" in ln for ln in lines)
+            assert any("▶ deploy step — first" in ln for ln in lines)
+            assert any("✔ deploy step (0.2 s)" in ln or "✔ deploy step (0.3 s)" in ln for ln in lines)
+            assert "deploy done" in lines[-1]
+            assert harness.app.running == {}
+
+    async def test_escape_cancels_the_threshold_dialog(self, harness: Harness) -> None:
+        async with harness.app.run_test(size=(80, 24)) as pilot:
+            await pilot.press("t")
+            assert isinstance(harness.app.screen, ThresholdModal)
+            await pilot.press("escape")
+            await pilot.pause()
+            assert not isinstance(harness.app.screen, ThresholdModal) and harness.calls == []
+
+    async def test_live_threshold_reports_the_value_read_back(self, harness: Harness) -> None:
+        async with harness.app.run_test(size=(80, 24)) as pilot:
+            harness.push(item(T0, 0, 3))
+            await pilot.pause()
+            await pilot.press("t")
+            harness.app.screen.query_one(Input).value = "8"
+            await pilot.press("enter")
+            await harness.app.workers.wait_for_complete()
+            await pilot.pause()
+            assert harness.calls == [("glm5", "set_threshold", 8)]
+            assert "threshold in force: 8" in log_text(harness.panel(ActionLog))[-1]
+
+    @pytest.mark.parametrize("key,action", [("r", "rollback"), ("s", "stop"), ("R", "restart"), ("b", "bench")])
+    async def test_destructive_keys_confirm_first(self, harness: Harness, key: str, action: str) -> None:
+        async with harness.app.run_test(size=(80, 24)) as pilot:
+            await pilot.press(key)
+            assert isinstance(harness.app.screen, ConfirmModal)
+            assert harness.app.screen.focused is not None and harness.app.screen.focused.id == "cancel"
+            await pilot.press("n")
+            await pilot.pause()
+            assert harness.calls == []
+            await pilot.press(key)
+            await pilot.press("enter")  # Enter on the focused Cancel button cancels too
+            await pilot.pause()
+            assert harness.calls == []
+            await pilot.press(key, "y")
+            await harness.app.workers.wait_for_complete()
+            await pilot.pause()
+            assert harness.calls == [("glm5", action, None)]
+
+    async def test_start_needs_no_confirmation(self, harness: Harness) -> None:
+        async with harness.app.run_test(size=(80, 24)) as pilot:
+            await pilot.press("S")
+            await harness.app.workers.wait_for_complete()
+            assert harness.calls == [("glm5", "start", None)]
+
+    async def test_one_action_at_a_time_per_host(self) -> None:
+        gate = threading.Event()
+        h = Harness(["glm5"], gate=gate)
+        async with h.app.run_test(size=(80, 24)) as pilot:
+            await pilot.press("S")
+            await pilot.pause()
+            assert h.app.running == {"glm5": "start"}
+            await pilot.press("d")
+            assert not isinstance(h.app.screen, ThresholdModal)  # refused, with a notification
+            gate.set()
+            await h.app.workers.wait_for_complete()
+            await pilot.pause()
+            assert h.app.running == {} and [c[1] for c in h.calls] == ["start"]
+
+    async def test_unwired_actions_say_so(self) -> None:
+        h = Harness(["glm5"], actions=False)
+        async with h.app.run_test(size=(80, 24)) as pilot:
+            await pilot.press("S")
+            await h.app.workers.wait_for_complete()
+            await pilot.pause()
+            assert "start is not available yet (arrives with issue 5)" in log_text(h.panel(ActionLog))[-1]
+
+    async def test_quit(self, harness: Harness) -> None:
+        async with harness.app.run_test(size=(80, 24)) as pilot:
+            await pilot.press("q")
+            await pilot.pause()
+        assert harness.app.return_code == 0
+        assert harness.feed is not None and harness.feed.stopped
+
+    async def test_quit_during_an_action_asks(self) -> None:
+        gate = threading.Event()
+        h = Harness(["glm5"], gate=gate)
+        async with h.app.run_test(size=(80, 24)) as pilot:
+            await pilot.press("S")
+            await pilot.pause()
+            await pilot.press("q")
+            assert isinstance(h.app.screen, ConfirmModal)
+            await pilot.press("n")
+            assert h.app.is_running
+            gate.set()
+            await h.app.workers.wait_for_complete()
+
+
+@pytest.mark.asyncio
+class TestReadOnly:
+    async def test_read_only_hides_and_disables_actions(self) -> None:
+        h = Harness(["glm5"], read_only=True)
+        async with h.app.run_test(size=(80, 24)) as pilot:
+            h.push(item(T0, 0, 3))
+            await pilot.pause()
+            for key in ("d", "r", "t", "s", "S", "R", "b"):
+                await pilot.press(key)
+                await pilot.pause()
+                assert not isinstance(h.app.screen, (ThresholdModal, ConfirmModal)), key
+            assert h.calls == []
+            shown = {b.binding.action for b in h.app.screen.active_bindings.values() if b.enabled and b.binding.show}
+            assert shown == {"quit"}
+            assert "[read-only]" in h.panel(HeaderBar).text()
+
+
+@pytest.mark.asyncio
+class TestHosts:
+    async def test_switching_hosts_swaps_every_panel(self) -> None:
+        h = Harness(["glm5", "demo"])
+        async with h.app.run_test(size=(100, 30)) as pilot:
+            h.push(item(T0, 0, 3, log=["[2026-11-29 11:00:00] glm5 line"]), "glm5")
+            h.push(item(T0, 0, 9, threshold=4, pid=777, log=["[2026-11-29 11:00:00] demo line"]), "demo")
+            await pilot.pause()
+            assert "glm5" in h.panel(HeaderBar).text() and "SPECULATION ON" in h.panel(SpeculationPanel).text()
+            assert "● glm5" in h.panel(HostsBar).text() and "● demo" in h.panel(HostsBar).text()
+            await pilot.press("h")
+            await pilot.pause()
+            assert h.app.current == "demo"
+            assert "pid 777" in h.panel(HeaderBar).text() and "SPECULATION OFF" in h.panel(SpeculationPanel).text()
+            assert log_text(h.panel(LogTail))[-1].endswith("demo line")
+            await pilot.press("tab")
+            await pilot.pause()
+            assert h.app.current == "glm5" and log_text(h.panel(LogTail))[-1].endswith("glm5 line")
+            await pilot.press("shift+tab")
+            assert h.app.current == "demo"
+
+    async def test_actions_go_to_the_shown_host(self) -> None:
+        h = Harness(["glm5", "demo"])
+        async with h.app.run_test(size=(100, 30)) as pilot:
+            await pilot.press("h", "S")
+            await h.app.workers.wait_for_complete()
+            assert h.calls == [("demo", "start", None)]
+
+    async def test_a_single_host_hides_the_host_bar_and_key(self, harness: Harness) -> None:
+        async with harness.app.run_test(size=(80, 24)) as pilot:
+            await pilot.press("h")
+            assert harness.app.current == "glm5"
+            assert not harness.panel(HostsBar).display
+
+
+def test_updates_of_the_same_host_replace_each_other() -> None:
+    a = HostUpdated(HostSnapshot(host="a", time=1.0), None)  # type: ignore[arg-type]
+    b = HostUpdated(HostSnapshot(host="b", time=1.0), None)  # type: ignore[arg-type]
+    newer = HostUpdated(HostSnapshot(host="a", time=2.0), None)  # type: ignore[arg-type]
+    assert newer.can_replace(a) and not newer.can_replace(b)
