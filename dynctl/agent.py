@@ -18,11 +18,18 @@ _MISSING_RC = 97
 
 # Runs the uploaded agent if this exact version is present, else says so with exit 97: one round trip
 # per call in the common case, and no knowledge of the remote $HOME needed on this side.
+# Runs the agent's bytecode, compiled once at upload (agent-<hash>.pyc): compiling the agent costs more
+# than starting the interpreter, and the host may set PYTHONDONTWRITEBYTECODE.
 _BOOT = (
-    "import os,sys,runpy\n"
+    "import os,sys,types\n"
     "w=os.path.expanduser(sys.argv[1]);p=os.path.join(w,'agent-'+sys.argv[2]+'.py')\n"
     "if not os.path.isfile(p): sys.exit(97)\n"
-    "sys.argv=[p];runpy.run_path(p,run_name='__main__')\n"
+    "sys.argv=[p]\n"
+    "try:\n"
+    " from importlib.machinery import SourcelessFileLoader as L;c=L('__main__',p+'c').get_code('__main__')\n"
+    "except Exception:\n"
+    " c=compile(open(p,'rb').read(),p,'exec')\n"
+    "m=types.ModuleType('__main__');m.__file__=p;sys.modules['__main__']=m;exec(c,m.__dict__)\n"
 )
 
 # Writes the agent from stdin into workdir atomically (no SFTP: works through pct too).
@@ -33,6 +40,7 @@ _UPLOAD = (
     " os.makedirs(w,0o700,exist_ok=True);t=p+'.tmp.%d'%os.getpid()\n"
     " with open(t,'wb') as f: f.write(sys.stdin.buffer.read()); f.flush(); os.fsync(f.fileno())\n"
     " os.chmod(t,0o600);os.replace(t,p)\n"
+    " import py_compile;py_compile.compile(p,cfile=p+'c',doraise=False)\n"
     "except OSError as e:\n"
     " sys.stderr.write('cannot write the dynctl agent into %s: %s\\n'%(w,e.strerror));sys.exit(3)\n"
 )

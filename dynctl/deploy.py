@@ -12,7 +12,8 @@ from dynctl.errors import OperationFailed, PreflightError, UsageError
 from dynctl.lifecycle import server_argv
 from dynctl.native import plan_native
 from dynctl.patching import parse_threshold, plan_patch, strategy_for
-from dynctl.patching.host import plan_for_apply, read_patch_state
+from dynctl.patching.host import patch_state_from, plan_for_apply, read_patch_state
+from dynctl.patching.recipe import target_files
 
 THRESHOLD_FLAG = "--speculative-disable-batch-threshold"
 ADAPTIVE_CONFIG = "adaptive.json"
@@ -45,8 +46,9 @@ def plan_deploy(agent: AgentClient, host: HostConfig, threshold: Any) -> DeployP
     """Inspect the host and work out what deploying `threshold` means there; changes nothing."""
     threshold = parse_threshold(threshold)
     baseline = server_argv(host)
-    refuse_if_busy(agent)
-    state = read_patch_state(agent)
+    context = agent.call("deploy_context", files=target_files())  # one round trip for the whole plan
+    _refuse_busy(agent, context["holder"])
+    state = patch_state_from(context["patch"])
     if state.version is None:
         raise PreflightError(f"{host.name}: sglang is not installed for {state.python}; nothing to deploy to")
     strategy = strategy_for(state.version)  # refuses unsupported versions (exit 3)
@@ -67,13 +69,16 @@ def plan_deploy(agent: AgentClient, host: HostConfig, threshold: Any) -> DeployP
             f"+{line}\n" for line in native.config_json.splitlines())
         dplan = DeployPlan(host, state.version, strategy, threshold, [], diff, argv, baseline, artifacts,
                            list(native.warnings), patch_detail=state.detail)
-    dplan.noop = _already_deployed(agent, dplan, state.release)
+    dplan.noop = _already_deployed(dplan, state.release, context["info"])
     return dplan
 
 
 def refuse_if_busy(agent: AgentClient) -> None:
+    _refuse_busy(agent, agent.call("op_current")["holder"])
+
+
+def _refuse_busy(agent: AgentClient, holder: dict[str, Any] | None) -> None:
     """One operation per host: name the one that runs instead of planning against its half-done work."""
-    holder = agent.call("op_current")["holder"]
     if holder:
         raise PreflightError(
             f"{agent.host.name}: host is busy: {holder.get('operation')} by {holder.get('who')} "
@@ -81,7 +86,7 @@ def refuse_if_busy(agent: AgentClient) -> None:
             f"nothing was changed")
 
 
-def _already_deployed(agent: AgentClient, dplan: DeployPlan, release: dict[str, Any] | None) -> str | None:
+def _already_deployed(dplan: DeployPlan, release: dict[str, Any] | None, info: dict[str, Any] | None) -> str | None:
     if dplan.files or not release:
         return None
     if release.get("threshold") != dplan.threshold or release.get("strategy") != dplan.strategy:
@@ -89,8 +94,6 @@ def _already_deployed(agent: AgentClient, dplan: DeployPlan, release: dict[str, 
     # native argv name a file inside the release directory, so only the patch argv compare as text
     if dplan.strategy == "patch" and release.get("launch_argv") != dplan.launch_argv:
         return None
-    answer = agent.call("server_info")
-    info = answer.get("info")
     if info is None:
         return None
     if dplan.strategy == "patch":
@@ -118,10 +121,9 @@ def _relay(event: dict[str, Any], on_event: events.EventSink) -> None:
 def run_operation(agent: AgentClient, kind: str, params: dict[str, Any],
                   on_event: events.EventSink = events.ignore) -> dict[str, Any]:
     """Start `kind` on the host, relay its events, and turn its final word into a result or an error."""
-    op_id = operations.start(agent, kind, params)
     final: dict[str, Any] = {}
     current_step = kind
-    for event in operations.follow(agent, op_id):
+    for event in operations.run(agent, kind, params):
         if event.get("type") == "step_started":
             current_step = event["step"]
         if event.get("final"):

@@ -117,18 +117,22 @@ def report_stop(result: dict[str, Any], elapsed: float, on_event: EventSink) -> 
     if result.get("escalated"):
         on_event(events.Warning(f"pid {result['pid']} did not exit within {result['grace_s']:g} s: sent SIGKILL"))
     for proc in result.get("swept", []):
-        cmd = " ".join(proc.get("cmdline") or [])[:100]
+        cmd = " ".join(" ".join(proc.get("cmdline") or []).split())[:100]  # one line, even for `-c` code
         on_event(events.Warning(f"swept leftover pid {proc['pid']} of the old server: {cmd}"))
     for text in result.get("warnings", []):
         on_event(events.Warning(text))
     parts = []
     if "sigterm_to_exit_s" in t:
-        parts.append(f"pid {result['pid']} exited after {t['sigterm_to_exit_s']:.2f} s")
-    parts.append(f"port free {t.get('exit_to_port_free_s', 0):.2f} s later")
+        parts.append(f"pid {result['pid']} exited after {_secs(t['sigterm_to_exit_s'])}")
+    parts.append(f"port free {_secs(t.get('exit_to_port_free_s', 0))} later")
     gpu = result.get("gpu") or {}
     if gpu.get("checked"):
-        parts.append(f"GPU memory released {gpu['released_after_exit_s']:.2f} s after exit")
+        parts.append(f"GPU memory released {_secs(gpu['released_after_exit_s'])} after exit")
     on_event(events.StepDone("stop", elapsed, ", ".join(parts)))
+
+
+def _secs(seconds: float) -> str:
+    return f"{seconds * 1000:.0f} ms" if seconds < 1 else f"{seconds:.2f} s"
 
 
 def start_server(agent: AgentClient, argv: Sequence[str], env: dict[str, str] | None = None,

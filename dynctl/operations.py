@@ -7,13 +7,32 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from dynctl.agent import AgentClient
-from dynctl.errors import DynctlError, UnreachableError
+from dynctl.errors import DynctlError, OperationFailed, UnreachableError
 
 Event = dict[str, Any]
 
 
 def start(agent: AgentClient, kind: str, params: dict[str, Any]) -> str:
     return agent.call("op_start", kind=kind, params=params)["op_id"]
+
+
+def run(agent: AgentClient, kind: str, params: dict[str, Any]) -> Iterator[Event]:
+    """Start an operation and follow it in one round trip; if the connection drops, follow it again."""
+    op_id = None
+    try:
+        for item in agent.stream("op_run", kind=kind, params=params):
+            event = item["op"]
+            op_id = event.get("op_id", op_id)
+            yield event
+            if event.get("final"):
+                return
+    except UnreachableError:
+        if op_id is None:  # lost before the worker started: nothing happened on the host
+            raise
+        yield {"type": "warning", "text": "connection lost; reconnecting to follow the operation"}
+        yield from follow(agent, op_id)
+        return
+    raise OperationFailed(f"{agent.host.name}: the {kind} operation ended without a final event")
 
 
 def follow(agent: AgentClient, op_id: str | None = None, reconnect_for: float = 60.0,

@@ -84,6 +84,15 @@ class HostSnapshot:
     process_started: float | None = None
 
 
+def latest_switch(switches: list[Switch] | tuple[Switch, ...]) -> Switch | None:
+    """The newest switch; of several in the same second (log stamps have 1 s resolution), the last logged."""
+    best = None
+    for s in switches:
+        if best is None or s.time >= best.time:
+            best = s
+    return best
+
+
 def _answering(part: dict[str, Any] | None) -> bool:
     """The server answered HTTP, even if with an error status (e.g. /metrics without --enable-metrics)."""
     if not part:
@@ -179,7 +188,7 @@ def build_snapshot(item: dict[str, Any], host: str, prev: HostSnapshot | None = 
     if (not switches and speculation is not None and prev is not None and same_run
             and prev.speculation is not None and prev.speculation != speculation):
         switches.append(Switch(t, speculation))  # seen in the gauge only: the sample time is the best we know
-    last_switch = max(switches, key=lambda s: s.time) if switches else (prev.last_switch if prev else None)
+    last_switch = latest_switch(switches) if switches else (prev.last_switch if prev else None)
     if last_switch is not None and prev is not None and prev.last_switch is not None and prev.last_switch.time > last_switch.time:
         last_switch = prev.last_switch
 
@@ -254,7 +263,7 @@ def _speculation(m: ServerMetrics, switches: list[Switch], configured: bool | No
     if m.spec_enabled is not None:
         return m.spec_enabled
     if switches:
-        return max(switches, key=lambda s: s.time).enabled
+        return latest_switch(switches).enabled  # type: ignore[union-attr]
     if m.spec_num_steps is not None and strategy == "native":
         return m.spec_num_steps > 0
     if prev is not None and prev.speculation is not None:

@@ -444,19 +444,44 @@ def op_start(ctx, kind, params=None, **_):
                         "env": ctx.env, "launch": ctx.launch, "args": ctx.args}}
     _replace_json(ctx.path("ops", op_id + ".json"), request)
     with host_lock(ctx, kind) as holder:
-        log = open(ctx.path("ops", op_id + ".log"), "ab")
-        try:
-            proc = subprocess.Popen(
-                [sys.executable, os.path.abspath(__file__), "--op", ctx.path("ops", op_id + ".json")],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True, close_fds=True, cwd=ctx.workdir,
-            )
-        finally:
-            log.close()
-        holder.update({"pid": proc.pid, "pid_start": _wait_start_time(proc.pid), "op": op_id})
+        worker = _spawn_detached([sys.executable, os.path.abspath(__file__), "--op", ctx.path("ops", op_id + ".json")],
+                                 ctx.path("ops", op_id + ".log"), ctx.workdir)
+        holder.update({"pid": worker, "pid_start": _wait_start_time(worker), "op": op_id})
         _replace_json(ctx.path("lock"), holder)  # the worker now owns the lock; our exit leaves it alone
     ctx.changed = True
-    return {"op_id": op_id, "worker_pid": proc.pid}
+    return {"op_id": op_id, "worker_pid": worker}
+
+
+def _spawn_detached(argv, log_path, cwd):
+    """Start argv as an orphan in its own session (double fork): no longer our child, nothing that ends
+    this agent or its SSH session reaches it. Returns its pid."""
+    r, w = os.pipe()
+    first = os.fork()
+    if first == 0:  # pragma: no cover - runs in the forked child
+        try:
+            os.close(r)
+            os.setsid()
+            second = os.fork()
+            if second == 0:
+                os.close(w)
+                os.chdir(cwd)
+                null = os.open(os.devnull, os.O_RDONLY)
+                log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+                os.dup2(null, 0)
+                os.dup2(log, 1)
+                os.dup2(log, 2)
+                os.closerange(3, 65536)
+                os.execv(argv[0], argv)
+            os.write(w, str(second).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        pid = int(f.read() or 0)
+    os.waitpid(first, 0)
+    if not pid:
+        raise AgentError("could not start the operation worker", "failed")
+    return pid
 
 
 def _wait_start_time(pid):
@@ -476,6 +501,14 @@ def _lock_holder(ctx):
     if pid_alive(pid) and process_start_time(pid) == holder.get("pid_start"):
         return holder
     return None
+
+
+@verb("op_run", stream=True)
+def op_run(ctx, kind, params=None, **_):
+    """op_start and op_follow in one round trip; the first event carries the op id."""
+    started = op_start(ctx, kind, params)
+    for item in op_follow(ctx, op_id=started["op_id"]):
+        yield item
 
 
 @verb("op_current")
@@ -1115,7 +1148,8 @@ _WATCH_LOG_CAP = 1 << 20  # most log bytes read per interval; a flood beyond tha
 _WATCH_MARKS = ("Speculation enabled", "Speculation disabled", "SIGTERM received", "fired up and ready to roll",
                 "Traceback (most recent call last)", "is not armed:", "never fires:")
 _WATCH_MAX_MARKS = 200
-# Same query as dynctl.metrics.GPU_QUERY, with the sample's timestamp first to cut the stream into blocks.
+_WATCH_OWN_REQUESTS = ('"GET /metrics HTTP/1.1"', '"GET /server_info HTTP/1.1"')
+# Same query as dynctl.metrics.GPU_QUERY; the index first cuts the looping output into one block per period.
 _WATCH_GPU_FIELDS = "index,uuid,name,utilization.gpu,memory.used,memory.total"
 _WATCH_INFO_KEYS = ("version", "model_path", "served_model_name", "tp_size", "dp_size", "enable_dp_attention",
                     "speculative_algorithm", "speculative_num_steps", "speculative_eagle_topk",
@@ -1315,6 +1349,8 @@ class _WatchLog:
         lines = data[:end].decode("utf-8", "replace").splitlines()
         if cut and lines:
             lines = lines[1:]  # the first line starts mid-way
+        # uvicorn logs every request at INFO; our own polling would fill the tail with itself
+        lines = [ln for ln in lines if not any(q in ln for q in _WATCH_OWN_REQUESTS)]
         for line in lines:
             if "Decode batch" in line:
                 out["decode"] = line
@@ -1346,7 +1382,7 @@ class _WatchGpus:
         self.started = now
         try:
             self.proc = subprocess.Popen(
-                [self.exe, "--query-gpu=timestamp," + _WATCH_GPU_FIELDS, "--format=csv,noheader,nounits",
+                [self.exe, "--query-gpu=" + _WATCH_GPU_FIELDS, "--format=csv,noheader,nounits",
                  "-lms", str(self.ms)],
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=self.env,
             )
@@ -1356,30 +1392,31 @@ class _WatchGpus:
         threading.Thread(target=self._read, args=(self.proc,), daemon=True).start()
 
     def _read(self, proc):
-        # A block is one timestamp's lines; publish it as soon as it has as many GPUs as the last one
-        # had, and again when the next timestamp shows it was longer.
-        block, stamp, size, noise = [], None, None, []
+        # One block per period, one line per GPU in index order: a block ends when the index starts over.
+        # It is published as soon as it has as many GPUs as the last one had (no wait for the next period).
+        block, last, size, noise = [], None, None, []
         for raw in proc.stdout:
-            line = raw.decode("utf-8", "replace").rstrip("\n")
-            head, sep, rest = line.partition(", ")
-            if not sep or not rest[:1].isdigit():
-                noise.append(line.strip())
+            line = raw.decode("utf-8", "replace").strip()
+            head = line.split(",", 1)[0]
+            if not head.isdigit():
+                noise.append(line)
                 continue
-            if head != stamp:
-                if block:
-                    self._publish(block, stamp)
-                    size = len(block)
-                block, stamp = [], head
-            block.append(rest)
-            if size is not None and len(block) >= size:
-                self._publish(block, stamp)
+            index = int(head)
+            if last is not None and index <= last:
+                if size is None or len(block) != size:
+                    self._publish(block)
+                size, block = len(block), []
+            last = index
+            block.append(line)
+            if size is not None and len(block) == size:
+                self._publish(block)
         proc.wait()
         with self.lock:
             self.error = ("nvidia-smi exited %s: %s" % (proc.returncode, " ".join(noise)[-300:])).strip(": ")
 
-    def _publish(self, block, stamp):
+    def _publish(self, block):
         with self.lock:
-            self.latest = {"ok": True, "csv": "\n".join(block) + "\n", "stamp": stamp, "t": time.time()}
+            self.latest = {"ok": True, "csv": "\n".join(block) + "\n", "t": time.time()}
             self.error = None
 
     def sample(self, now):
@@ -3114,6 +3151,12 @@ def verb_set_threshold(ctx, threshold, **_):
     journal(ctx, "threshold.set", requested=threshold, in_force=value)
     ctx.changed = value == threshold
     return {"requested": threshold, "in_force": value}
+
+
+@verb("deploy_context")
+def deploy_context(ctx, files=(), **_):
+    """Everything a deploy plan needs in one round trip: lock holder, patch files, server info."""
+    return {"holder": _lock_holder(ctx), "patch": patch_read(ctx, files=files), "info": server_info(ctx)}
 
 
 @verb("server_info")

@@ -317,7 +317,7 @@ def test_client_disconnect_mid_stream_aborts_the_request_and_the_server_carries_
 
     before = aborted()
     with socket.create_connection(("127.0.0.1", server.port)) as s:
-        body = json.dumps({"text": "long", "stream": True, "sampling_params": {"max_new_tokens": 5000}}).encode()
+        body = json.dumps({"text": "long", "stream": True, "sampling_params": {"max_new_tokens": 60000}}).encode()
         s.sendall(b"POST /generate HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
                   b"content-length: %d\r\n\r\n%s" % (len(body), body))
         first = s.recv(4096)
@@ -329,7 +329,7 @@ def test_client_disconnect_mid_stream_aborts_the_request_and_the_server_carries_
 
 def test_flush_cache_refuses_while_requests_run(server, client):
     with socket.create_connection(("127.0.0.1", server.port)) as s:
-        body = json.dumps({"text": "busy", "stream": True, "sampling_params": {"max_new_tokens": 3000}}).encode()
+        body = json.dumps({"text": "busy", "stream": True, "sampling_params": {"max_new_tokens": 60000}}).encode()
         s.sendall(b"POST /generate HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
                   b"content-length: %d\r\n\r\n%s" % (len(body), body))
         assert s.recv(4096).startswith(b"HTTP/1.1 200 OK")

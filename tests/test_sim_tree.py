@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import ast
+import asyncio
 import json
 import re
 import signal
 import socket
-import time
+import tempfile
 from pathlib import Path
 
-import pytest
+import httpx
 
 from dynctl.sim.serverargs import build_parser, read_server_args
 from sglang_trees import install_sglang
@@ -38,9 +40,7 @@ def assert_port_never_opened(sim) -> None:
 
 def test_the_reconstructed_parser_matches_sglangs_flags():
     """Every option string of 0.5.9's add_cli_args is accepted; defaults come from the dataclass."""
-    import ast
-
-    site = Path(install_sglang("0.5.9", Path(__import__("tempfile").mkdtemp()) / "site"))
+    site = install_sglang("0.5.9", Path(tempfile.mkdtemp()) / "site")
     source = (site / "srt/server_args.py").read_text()
     flags = {n.value for call in ast.walk(ast.parse(source)) if isinstance(call, ast.Call)
              and getattr(call.func, "attr", None) == "add_argument" for n in call.args if isinstance(n, ast.Constant)}
@@ -154,10 +154,6 @@ def test_native_adaptive_config_routes_like_sglang_0_5_14(tmp_path, start_sim):
 
     def decode_lines(start: int) -> list[str]:
         return [line for line in sim.log[start:].splitlines() if "Decode batch" in line]
-
-    import asyncio
-
-    import httpx
 
     async def burst(n: int) -> None:
         async with httpx.AsyncClient(base_url=sim.url, timeout=60) as c:

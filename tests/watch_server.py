@@ -96,8 +96,8 @@ class SglangLikeServer:
         self.httpd.server_close()
 
 
-# Prints what `nvidia-smi --query-gpu=timestamp,<fields> --format=csv,noheader,nounits -lms N` prints: one
-# line per GPU per period, all lines of a period with the same timestamp (as measured on an H200 with
+# Prints what `nvidia-smi --query-gpu=<fields> --format=csv,noheader,nounits -lms N` prints: one
+# line per GPU per period in index order (as measured on an H200 with
 # driver 580.159.04). Values come from a JSON file the test rewrites; its pid goes to `<state>.pid`.
 _FAKE_NVIDIA_SMI = r'''#!{python}
 import json, os, sys, time

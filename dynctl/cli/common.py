@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from dynctl.agent import AgentClient
 from dynctl.config import Config, HostConfig, load_config
@@ -60,7 +61,7 @@ def handle_errors(fn: F) -> F:
         try:
             return fn(*args, **kwargs)
         except DynctlError as err:
-            err_console.print(f"[bold red]error:[/] {err}", soft_wrap=True)
+            err_console.print(f"[bold red]error:[/] {escape(str(err))}", soft_wrap=True)
             raise typer.Exit(err.exit_code) from None
         finally:
             close_all()

@@ -12,9 +12,8 @@ from dynctl.cli.common import ConfigOpt, HostOpt, JsonOpt, console, handle_error
 from dynctl.config import load_config
 from dynctl.errors import DynctlError
 from dynctl.inventory import HostInfo, describe_host, probe_hosts
+from dynctl.server_status import server_section
 
-# Filled in by later features (server state, metrics, GPUs): each adds a section to the status dict.
-STATUS_SECTIONS: list[Any] = []
 
 
 def register(app: typer.Typer) -> None:
@@ -58,15 +57,17 @@ def status(
     session = open_host(host, config)
     info = describe_host(session.host, session.agent)
     report: dict[str, Any] = {"host": info.to_dict()}
-    for section in STATUS_SECTIONS:
+    if info.sglang_version:
         try:
-            report.update(section(session, info))
+            report.update(server_section(session.agent, session.host.simulated))
         except DynctlError as err:
             report.setdefault("warnings", []).append(str(err))
     if as_json:
         console.print_json(json.dumps(report, default=str))
         return
     render_host(info)
+    if "server" in report:
+        render_server(report["patch"], report["server"])
     for warning in report.get("warnings", []):
         console.print(f"[yellow]warning:[/] {warning}")
 
@@ -97,4 +98,49 @@ def render_host(info: HostInfo) -> None:
     table.add_row("nvidia-smi", info.nvidia_smi or "[dim]absent[/]")
     listeners = ", ".join(f"pid {p['pid']} ({' '.join(p.get('cmdline') or [])[:60]})" for p in info.port_listeners)
     table.add_row("port", f"{info.port}  " + (listeners or "[dim]nothing listening[/]"))
+    console.print(table)
+
+
+def _fmt(value: Any, spec: str = "", unit: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{unit}"
+
+
+def render_server(patch: dict[str, Any], server: dict[str, Any]) -> None:
+    table = Table(box=None, show_header=False, pad_edge=False)
+    table.add_column(style="bold")
+    table.add_column()
+    table.add_row("patch", f"{patch['status']}  [dim]{patch['detail']}[/]")
+    table.add_row("release", patch.get("current_release") or "none (baseline)")
+    state = server["state"]
+    colour = {"ready": "green", "starting": "yellow", "draining": "yellow"}.get(state, "red")
+    line = f"[{colour}]{state}[/]"
+    if server.get("pid"):
+        line += f"  pid {server['pid']}"
+    if server.get("uptime_s") is not None:
+        line += f"  up {server['uptime_s']:.0f} s"
+    if server.get("operation"):
+        line += f"  [yellow]{server['operation']}[/]"
+    table.add_row("server", line)
+    table.add_row("threshold", _fmt(server.get("threshold")))
+    table.add_row("batch size", f"{_fmt(server.get('batch_size'))} running, {_fmt(server.get('queue'))} queued")
+    spec = server.get("speculation")
+    spec_text = "[dim]unknown[/]" if spec is None else ("[green]ON[/]" if spec else "[yellow]OFF[/]")
+    switch = server.get("last_switch")
+    if switch:
+        spec_text += f"  [dim](last switch at batch {switch.get('batch_size')})[/]"
+    table.add_row("speculation", spec_text)
+    table.add_row("throughput", f"{_fmt(server.get('gen_throughput'), '.1f')} tok/s, accept length "
+                                f"{_fmt(server.get('accept_length'), '.2f')}")
+    gpus = server.get("gpus") or []
+    if gpus:
+        used = sum((g.get("mem_used_mib") or 0) for g in gpus)
+        total = sum((g.get("mem_total_mib") or 0) for g in gpus)
+        util = [g["util_pct"] for g in gpus if g.get("util_pct") is not None]
+        mean = sum(util) / len(util) if util else None
+        table.add_row("GPUs", f"{len(gpus)} × {gpus[0].get('name')}, {used / 1024:.0f}/{total / 1024:.0f} GiB used, "
+                              f"mean util {_fmt(mean, '.0f', '%')}")
+    elif server.get("gpu_error"):
+        table.add_row("GPUs", f"[dim]{server['gpu_error']}[/]")
+    if server.get("spec_warning"):
+        table.add_row("warning", f"[yellow]{server['spec_warning']}[/]")
     console.print(table)

@@ -9,7 +9,17 @@ import typer
 from rich.markup import escape
 
 from dynctl import events, lifecycle
-from dynctl.cli.common import ConfigOpt, HostOpt, JsonOpt, YesOpt, confirm, console, handle_errors, open_host
+from dynctl.cli.common import (
+    ConfigOpt,
+    HostOpt,
+    JsonOpt,
+    YesOpt,
+    confirm,
+    console,
+    err_console,
+    handle_errors,
+    open_host,
+)
 
 GraceOpt = typer.Option(60.0, "--grace", min=0, help="Seconds the server may drain after SIGTERM before SIGKILL.")
 ReadyTimeoutOpt = typer.Option(900.0, "--ready-timeout", min=1,
@@ -24,10 +34,14 @@ def register(app: typer.Typer) -> None:
 
 
 class EventPrinter:
-    """Renders lifecycle events: one line per step with its elapsed time, log lines dimmed."""
+    """Renders lifecycle events: one line per step with its elapsed time, log lines dimmed.
+
+    quiet (--json): only warnings and failures, on stderr, so stdout stays one JSON document.
+    """
 
     def __init__(self, quiet: bool = False) -> None:
         self.quiet = quiet
+        self.out = err_console if quiet else console
 
     def __call__(self, event: events.Event) -> None:
         if isinstance(event, events.StepStarted):
@@ -41,11 +55,11 @@ class EventPrinter:
             if not self.quiet:
                 console.print(f"  [dim]│ {escape(event.text)}[/]", soft_wrap=True)
         elif isinstance(event, events.Warning):
-            console.print(f"[yellow]![/] {escape(event.text)}", soft_wrap=True)
+            self.out.print(f"[yellow]![/] {escape(event.text)}", soft_wrap=True)
         elif isinstance(event, events.Failed):
             for line in event.log_tail:
-                console.print(f"  [red]│[/] {escape(line)}", soft_wrap=True)
-            console.print(f"[bold red]✗[/] {event.step:<6} {escape(event.message)}", soft_wrap=True)
+                self.out.print(f"  [red]│[/] {escape(line)}", soft_wrap=True)
+            self.out.print(f"[bold red]✗[/] {event.step:<6} {escape(event.message)}", soft_wrap=True)
 
 
 def _describe(state: lifecycle.ServerState) -> str:

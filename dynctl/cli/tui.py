@@ -17,19 +17,21 @@ def register(app: typer.Typer) -> None:
     @handle_errors
     def tui(
         host: Optional[list[str]] = typer.Option(  # noqa: UP007 - typer reads the annotation
-            None, "--host", "-H", help="Host from the config; repeat for several (default: every configured host)."),
+            None, "--host", "-H", metavar="NAME",
+            help="Host from the config; repeat for several (default: every configured host)."),
         read_only: bool = typer.Option(False, "--read-only", help="Watch only: hide deploy, rollback, stop and the rest."),
         config: Optional[str] = ConfigOpt,  # noqa: UP007
-        interval: float = typer.Option(1.0, "--interval", help="Seconds between samples on each host (0.1-60)."),
+        interval: float = typer.Option(1.0, "--interval", metavar="SECONDS",
+                                       help="Seconds between samples on each host (0.1-60)."),
     ) -> None:
         """Live view: batch size against the threshold, speculation on/off, tok/s, GPUs, log; keys act on the host."""
         if not 0.1 <= interval <= 60:
             raise UsageError(f"--interval must be between 0.1 and 60 seconds, got {interval:g}")
-        if not (sys.stdin.isatty() and sys.stdout.isatty()):
-            raise UsageError("dynctl tui needs a terminal; use `dynctl status --json` in scripts")
         cfg = load_config(config)
         names = list(dict.fromkeys(host)) if host else (list(cfg.hosts) or [cfg.host(None).name])
         hosts = [cfg.host(name) for name in names]  # an unknown name is a config error naming the file
+        if not (sys.stdin.isatty() and sys.stdout.isatty()):
+            raise UsageError("dynctl tui needs a terminal; use `dynctl status --json` in scripts")
 
         from dynctl.feed import LiveFeed
         from dynctl.tui.app import create_app

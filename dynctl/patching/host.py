@@ -41,7 +41,11 @@ class PatchState:
 
 def read_patch_state(agent: AgentClient) -> PatchState:
     """One agent round trip, then the pure planner; never raises for a refused or unsupported patch."""
-    answer = agent.call("patch_read", files=target_files())
+    return patch_state_from(agent.call("patch_read", files=target_files()))
+
+
+def patch_state_from(answer: dict[str, Any]) -> PatchState:
+    """The pure part of read_patch_state, for callers that fetched `patch_read`'s answer themselves."""
     sglang = answer["sglang"]
     version = sglang.get("version")
     files = {path: (None if info is None else {"sha256": info.get("sha256"), "symlink": info.get("symlink")})

@@ -71,7 +71,7 @@ class GpuBoard:
         for path in (self.state_dir / "procs").glob("*.json"):
             try:
                 entry = json.loads(path.read_text())
-                if nvidia_smi._alive(int(entry["pid"]), entry.get("start_time")):
+                if nvidia_smi.process_alive(int(entry["pid"]), entry.get("start_time")):
                     continue
             except (OSError, ValueError, KeyError):
                 pass

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import email.utils
+import json
 import logging
 import socket
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from typing import AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 from urllib.parse import urlsplit
 
 MAX_HEADER_BYTES = 64 * 1024
@@ -293,10 +294,24 @@ def bind_socket(host: str, port: int) -> socket.socket:
     except OSError:
         sock.close()
         raise
-    sock.set_inheritable(True)
     return sock
 
 
 async def serve(sock: socket.socket, router: Router, access_log: logging.Logger) -> asyncio.AbstractServer:
     loop = asyncio.get_running_loop()
     return await loop.create_server(lambda: Connection(router, access_log), sock=sock, backlog=2048)
+
+
+async def request_once(host: str, port: int, method: str, path: str, body: Any) -> int:
+    """One HTTP/1.1 request with `connection: close`; the status code (the warm-up's own client)."""
+    payload = json.dumps(body).encode() if body is not None else b""
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        head = (f"{method} {path} HTTP/1.1\r\nhost: {host}:{port}\r\nuser-agent: python-requests/2.32.5\r\n"
+                f"content-type: application/json\r\ncontent-length: {len(payload)}\r\nconnection: close\r\n\r\n")
+        writer.write(head.encode() + payload)
+        await writer.drain()
+        response = await reader.read()
+        return int(response.split(b" ", 2)[1]) if response.startswith(b"HTTP/") else 0
+    finally:
+        writer.close()

@@ -38,7 +38,7 @@ def read_inventory(state_dir: Path | None) -> dict:
     return default_inventory()
 
 
-def _alive(pid: int, start_time: str | None) -> bool:
+def process_alive(pid: int, start_time: str | None) -> bool:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
@@ -67,7 +67,7 @@ def live_processes(state_dir: Path | None) -> list[dict]:
             entry = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        if _alive(int(entry["pid"]), entry.get("start_time")):
+        if process_alive(int(entry["pid"]), entry.get("start_time")):
             entry["process_name"] = _process_name(int(entry["pid"]), entry.get("name", "python"))
             procs.append(entry)
     return procs
@@ -80,7 +80,7 @@ def utilization(state_dir: Path | None) -> int:
         activity = json.loads((state_dir / "activity.json").read_text())
     except (OSError, ValueError):
         return 0
-    if not _alive(int(activity["pid"]), activity.get("start_time")) or time.time() - activity["updated"] > 5:
+    if not process_alive(int(activity["pid"]), activity.get("start_time")) or time.time() - activity["updated"] > 5:
         return 0
     return int(activity.get("utilization", 0))
 

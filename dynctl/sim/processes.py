@@ -14,6 +14,7 @@ import os
 import resource
 import select
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -108,3 +109,26 @@ def kill_process_tree(include_parent: bool) -> None:
         sys.stderr.flush()
         os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(1)  # not reached
+
+
+def listening_fd(port: int) -> int | None:
+    """The descriptor of this process's listening socket on `port` (to hand to the orphan fault)."""
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if not target.startswith("socket:"):
+            continue
+        try:
+            s = socket.socket(fileno=int(fd))
+        except OSError:
+            continue
+        try:
+            if s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) and s.getsockname()[1] == port:
+                return int(fd)
+        except OSError:
+            continue
+        finally:
+            s.detach()
+    return None

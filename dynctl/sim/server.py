@@ -11,7 +11,6 @@ The port stays closed while the model "loads"; /health answers 503 until the war
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import signal
@@ -24,13 +23,15 @@ from dynctl.sim import processes, sgltree
 from dynctl.sim.batching import Batcher
 from dynctl.sim.endpoints import Api
 from dynctl.sim.gpus import GpuBoard
-from dynctl.sim.httpserver import bind_socket, serve
+from dynctl.sim.httpserver import bind_socket, request_once, serve
 from dynctl.sim.loglines import configure_logger, scheduler_logger, scheduler_prefix, uvicorn_loggers
 from dynctl.sim.metrics import ServerMetrics
 from dynctl.sim.options import OptionError, SimOptions, split_sim_options
 from dynctl.sim.serverargs import PROG, ServerArgsSpec, parse_server_args, read_server_args
-from dynctl.sim.serverdefaults import ARCHITECTURE, ServerArgsError, finalize, plan_memory
-from dynctl.sim.speculation import THRESHOLD_ARG, ArgsView, build_speculation
+from dynctl.sim.serverdefaults import ARCHITECTURE, ServerArgsError, finalize, plan_memory, spec_v2_enabled
+from dynctl.sim.speculation import (
+    THRESHOLD_ARG, ArgsView, build_speculation, captured_batch_sizes, read_adaptive_defaults,
+)
 from dynctl.sim.tokenizer import ServerStatus, TokenizerManager, server_args_repr
 
 BANNER = "SIMULATED SGLang server (dynctl.sim): no GPU, no model; timings from a calibrated batching model"
@@ -123,13 +124,14 @@ class Launch:
         engine_log.info(BANNER)
         engine_log.info(f"server_args={server_args_repr(args)}")
         signal.signal(signal.SIGQUIT, self._launch_phase_sigquit)
-        if self.options.ignore_sigterm:
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         self.board.prune_dead()
         plan = plan_memory(args, self.board.total_gib(0) if self.board.gpus else 140.4)
         self.plan = plan
         try:
             self._start_children(plan)
+            if self.options.ignore_sigterm:
+                # After the children exist: SIG_IGN would be inherited across exec.
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
             infos = processes.wait_ready(self.schedulers)
         except processes.SchedulerDied as err:
             engine_log.error(str(err))
@@ -153,9 +155,6 @@ class Launch:
         args = self.args
         tp = args.get("tp_size") or 1
         speculative = args.get("speculative_algorithm") in ("EAGLE", "EAGLE3")
-        from dynctl.sim.serverdefaults import spec_v2_enabled
-        from dynctl.sim.speculation import captured_batch_sizes
-
         common = {
             "tp_size": tp, "gpu_dir": str(self.options.gpu_dir) if self.options.gpu_dir else None,
             "load_wall_seconds": self.options.load_seconds / self.options.time_scale,
@@ -194,14 +193,14 @@ class Launch:
         error_log, access_log = uvicorn_loggers()
         sched_log = scheduler_logger(scheduler_prefix(0, args.get("tp_size") or 1))
         metrics = ServerMetrics(args.get("served_model_name") or args["model_path"]) if args.get("enable_metrics") else None
-        adaptive_defaults = _adaptive_defaults(self.tree) if sgltree.version_tuple(self.tree.version) >= (0, 5, 14) else None
+        adaptive_defaults = read_adaptive_defaults(self.tree.file("srt/speculative/adaptive_spec_params.py")) if sgltree.version_tuple(self.tree.version) >= (0, 5, 14) else None
         speculation = build_speculation(
             {**args, "max_running_requests": plan.max_running_requests}, self.policy_module, adaptive_defaults,
             metrics.scheduler_labels if metrics else {}, metrics.registry if metrics else None, sched_log)
         batcher = Batcher(args, speculation, time_scale=options.time_scale, accept_rate=options.accept_rate,
                           seed=options.seed, max_total_num_tokens=plan.max_total_num_tokens,
                           max_running_requests=plan.max_running_requests, log=sched_log, metrics=metrics,
-                          schedulers_alive=self._alive_every(0.5))
+                          schedulers_alive=self._children_alive)
         allowed = sgltree.allowed_internal_state_keys(self.tree)
         validator = getattr(self.policy_module, "validate_threshold", None) if self.policy_module else None
         tokenizer = TokenizerManager(args, batcher, speculation, version=self.tree.version,
@@ -212,6 +211,8 @@ class Launch:
         if metrics is not None:
             metrics.set_gauge("max_total_num_tokens", plan.max_total_num_tokens)
         api = Api(tokenizer, metrics, options.time_scale, options.slow_health)
+        self._child_exited, self._alive = True, True
+        loop.add_signal_handler(signal.SIGCHLD, self._on_sigchld)
         loop.add_signal_handler(signal.SIGQUIT, self._running_phase_sigquit)
         loop.add_signal_handler(signal.SIGINT, self._sigint)
         self._stop = loop.create_future()
@@ -237,58 +238,32 @@ class Launch:
         processes.kill_process_tree(include_parent=False)
         return 0
 
-    def _alive_every(self, seconds: float):
-        state = {"at": 0.0, "alive": True}
-
-        def check() -> bool:
-            now = time.monotonic()
-            if now - state["at"] >= seconds:
-                state["at"], state["alive"] = now, self.schedulers_alive()
-            return state["alive"]
-
-        return check
+    def _children_alive(self) -> bool:
+        """Re-checked only after a SIGCHLD, so a dead scheduler stops the batching at once and cheaply."""
+        if self._child_exited:
+            self._child_exited = False
+            self._alive = self.schedulers_alive()
+        return self._alive
 
     async def _warmup(self, host: str, port: int) -> None:
         """_execute_server_warmup: GET /model_info, then one /generate of 8 tokens, over real HTTP."""
         target = "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host
         await asyncio.sleep(1.0 / self.options.time_scale)
-        await _http(target, port, "GET", "/model_info", None)
+        await request_once(target, port, "GET", "/model_info", None)
         body = {"sampling_params": {"temperature": 0, "max_new_tokens": 8}, "text": WARMUP_TEXT}
-        await _http(target, port, "POST", "/generate", body)
+        await request_once(target, port, "POST", "/generate", body)
         self.tokenizer.server_status = ServerStatus.Up
         self.log.info("The server is fired up and ready to roll!")
         if self.options.orphan_child:
             self._leave_orphan()
 
     def _leave_orphan(self) -> None:
-        fd = self._listen_fd()
+        fd = processes.listening_fd(self.args["port"])
         if fd is None:
             return
         launcher = processes.spawn("orphan", "sglang::orphan", {"listen_fd": fd,
                                    "lifetime": self.options.orphan_lifetime}, pass_fds=(fd,))
         launcher.wait()
-
-    def _listen_fd(self) -> int | None:
-        for fd in os.listdir("/proc/self/fd"):
-            try:
-                target = os.readlink(f"/proc/self/fd/{fd}")
-            except OSError:
-                continue
-            if target.startswith("socket:"):
-                import socket as socketlib
-
-                try:
-                    s = socketlib.socket(fileno=int(fd))
-                except OSError:
-                    continue
-                try:
-                    listening = s.getsockopt(socketlib.SOL_SOCKET, socketlib.SO_ACCEPTCONN)
-                    port = s.getsockname()[1] if listening else None
-                finally:
-                    s.detach()
-                if listening and port == self.args["port"]:
-                    return int(fd)
-        return None
 
     async def _publish_activity(self, batcher: Batcher) -> None:
         while True:
@@ -331,6 +306,9 @@ class Launch:
             await asyncio.sleep(period)
         processes.kill_process_tree(include_parent=True)
 
+    def _on_sigchld(self) -> None:
+        self._child_exited = True
+
     def _running_phase_sigquit(self) -> None:
         self.log.error("SIGQUIT received. signum=None, frame=None. It usually means one child failed.")
         processes.kill_process_tree(include_parent=True)
@@ -338,37 +316,3 @@ class Launch:
     def _sigint(self) -> None:
         if not self._stop.done():
             self._stop.set_result(None)
-
-
-def _adaptive_defaults(tree: sgltree.SglangTree) -> dict | None:
-    """DEFAULT_ADAPTIVE_CONFIG, read from the tree's speculative/adaptive_spec_params.py."""
-    import ast
-
-    path = tree.file("srt/speculative/adaptive_spec_params.py")
-    try:
-        module = ast.parse(path.read_text(encoding="utf-8"))
-    except (OSError, SyntaxError):
-        return None
-    for node in module.body:
-        target = node.target if isinstance(node, ast.AnnAssign) else (
-            node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else None)
-        if isinstance(target, ast.Name) and target.id == "DEFAULT_ADAPTIVE_CONFIG" and node.value is not None:
-            try:
-                return ast.literal_eval(node.value)
-            except ValueError:
-                return None
-    return None
-
-
-async def _http(host: str, port: int, method: str, path: str, body: Any) -> int:
-    payload = json.dumps(body).encode() if body is not None else b""
-    reader, writer = await asyncio.open_connection(host, port)
-    try:
-        head = (f"{method} {path} HTTP/1.1\r\nhost: {host}:{port}\r\nuser-agent: python-requests/2.32.5\r\n"
-                f"content-type: application/json\r\ncontent-length: {len(payload)}\r\nconnection: close\r\n\r\n")
-        writer.write(head.encode() + payload)
-        await writer.drain()
-        response = await reader.read()
-        return int(response.split(b" ", 2)[1]) if response.startswith(b"HTTP/") else 0
-    finally:
-        writer.close()

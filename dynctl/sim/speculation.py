@@ -13,10 +13,12 @@ Three regimes, as the real server has them:
 
 from __future__ import annotations
 
+import ast
 import bisect
 import json
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -235,3 +237,20 @@ def build_speculation(args: dict[str, Any], policy_module: ModuleType | None, ad
     if policy_module is not None and THRESHOLD_ARG in args:
         return ThresholdSpeculation(args, policy_module, labels, registry)
     return AlwaysSpeculate(args)
+
+
+def read_adaptive_defaults(path: Path) -> dict | None:
+    """DEFAULT_ADAPTIVE_CONFIG of a tree's speculative/adaptive_spec_params.py (0.5.14+), read from its AST."""
+    try:
+        module = ast.parse(path.read_text(encoding="utf-8"))
+    except (OSError, SyntaxError):
+        return None
+    for node in module.body:
+        target = node.target if isinstance(node, ast.AnnAssign) else (
+            node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else None)
+        if isinstance(target, ast.Name) and target.id == "DEFAULT_ADAPTIVE_CONFIG" and node.value is not None:
+            try:
+                return ast.literal_eval(node.value)
+            except ValueError:
+                return None
+    return None

@@ -105,7 +105,7 @@ class Dashboard(Screen):
         self.query_one("#spec").border_title = "speculation"
         self.query_one("#load").border_title = "batch vs threshold"
         self.query_one("#gpus").border_title = "GPUs"
-        self.query_one("#log").border_title = "server log  (l: actions)"
+        self.query_one("#log").border_title = "server log · 2xx hidden · l: actions"
         self.query_one("#actions").border_title = "actions  (l: log)"
         self.query_one(Banner).display = False
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Mapping, Sequence
 
@@ -232,8 +233,8 @@ def _bar(fraction: float | None, width: int, style: str) -> Text:
     full, part = divmod(eighths, 8)
     t.append("█" * full, style=style)
     if full < width:
-        t.append(" ▏▎▍▌▋▊▉"[part] if part else " ", style=style)
-        t.append(" " * (width - full - 1))
+        t.append("▏▎▍▌▋▊▉"[part - 1] if part else "░", style=style if part else "grey23")
+        t.append("░" * (width - full - 1), style="grey23")
     return t
 
 
@@ -292,6 +293,15 @@ def shorten_decode(message: str) -> str:
         parts.append(f"kv {d.token_usage * 100:.0f}%")
     parts.append(f"queue {count(d.queue_reqs)}")
     return " · ".join(parts)
+
+
+# uvicorn's access line for a request that went fine: one per request, so it would bury everything else.
+_ROUTINE_ACCESS = re.compile(r'INFO:\s+\S+ - "(?:GET|POST|HEAD) \S+ HTTP/[\d.]+" 2\d\d')
+
+
+def is_routine(line: str) -> bool:
+    """A line the dashboard's tail leaves out (`dynctl logs` shows everything)."""
+    return _ROUTINE_ACCESS.search(line) is not None
 
 
 def render_log_line(line: str, utc_offset: float | None = None) -> Text:

@@ -150,7 +150,8 @@ class LogTail(RichLog):
         if reset:
             self.clear()
         for line in lines:
-            self.write(panels.render_log_line(line, utc_offset))
+            if not panels.is_routine(line):
+                self.write(panels.render_log_line(line, utc_offset))
 
 
 class ActionLog(RichLog):

@@ -1,0 +1,35 @@
+"""The server part of `dynctl status`: one `watch` sample of the host, read as the TUI reads it (UI-free)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from dynctl.agent import AgentClient
+from dynctl.errors import OperationFailed
+from dynctl.patching.host import read_patch_state
+from dynctl.snapshot import HostSnapshot, build_snapshot
+
+
+def sample_server(agent: AgentClient, simulated: bool = False) -> HostSnapshot:
+    """One snapshot: server state, threshold, batch, speculation, tok/s, accept length, GPUs, log tail."""
+    for item in agent.stream("watch", interval=0.2, max_items=1, log_lines=5):
+        return build_snapshot(item, agent.host.name, simulated=simulated)
+    raise OperationFailed(f"{agent.host.name}: the watch stream ended without a sample")
+
+
+def server_section(agent: AgentClient, simulated: bool = False) -> dict[str, Any]:
+    snap = sample_server(agent, simulated)
+    patch = read_patch_state(agent)
+    data = {
+        "state": snap.state, "pid": snap.pid, "uptime_s": snap.uptime_s, "release": snap.release,
+        "operation": snap.operation, "threshold": snap.threshold, "batch_size": snap.running_reqs,
+        "queue": snap.queue_reqs, "speculation": snap.speculation,
+        "last_switch": asdict(snap.last_switch) if snap.last_switch else None,
+        "gen_throughput": snap.gen_throughput, "accept_length": snap.accept_length,
+        "token_usage": snap.token_usage, "spec_warning": snap.spec_warning, "metrics_error": snap.metrics_error,
+        "gpus": [asdict(g) for g in snap.gpus], "gpu_error": snap.gpu_error,
+    }
+    return {"server": data, "patch": {"status": patch.status, "detail": patch.detail, "strategy": patch.strategy,
+                                      "current_release": patch.current,
+                                      "files": {p: (f or {}).get("sha256") for p, f in patch.files.items()}}}
