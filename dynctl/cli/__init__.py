@@ -6,6 +6,7 @@ import typer
 
 from dynctl import __version__
 from dynctl.cli import bench as bench_cli
+from dynctl.cli import demo as demo_cli
 from dynctl.cli import deploy as deploy_cli
 from dynctl.cli import hosts as hosts_cli
 from dynctl.cli import lifecycle as lifecycle_cli
@@ -34,6 +35,7 @@ def _root(
     pass
 
 
+demo_cli.register(app)
 deploy_cli.register(app)
 hosts_cli.register(app)
 lifecycle_cli.register(app)

@@ -48,6 +48,8 @@ _SCHEDULER_GAUGES = {
 
 class ServerMetrics:
     def __init__(self, served_model_name: str, registry: CollectorRegistry | None = None):
+        # sglang's multiprocess exposition has no `_created` series (a process-wide switch: the server's).
+        prometheus_client.disable_created_metrics()
         self.registry = registry or CollectorRegistry(auto_describe=True)
         r = self.registry
         self.scheduler_labels = {"model_name": served_model_name, "engine_type": "unified", "tp_rank": "0",

@@ -1,0 +1,50 @@
+"""`dynctl demo`: a simulated GPU host, threshold 5 deployed, a load ramp, and the TUI on it."""
+
+from __future__ import annotations
+
+import threading
+
+import typer
+from rich.markup import escape
+
+from dynctl import demo as core
+from dynctl.cli.common import ConfigOpt, console, handle_errors
+from dynctl.cli.lifecycle import EventPrinter
+
+
+def register(app: typer.Typer) -> None:
+    app.command("demo")(demo)
+
+
+@handle_errors
+def demo(
+    config: str = ConfigOpt,
+    no_tui: bool = typer.Option(False, "--no-tui", help="Print the story as text and exit instead of opening the TUI."),
+    threshold: int = typer.Option(5, "--threshold", "-t", help="Threshold to deploy."),
+    port: int = typer.Option(30000, "--port", help="Port of the simulated server (127.0.0.1)."),
+    time_scale: float = typer.Option(1.0, "--time-scale", help="Run the simulated GPU this many times faster."),
+    level_seconds: float = typer.Option(4.5, "--level-seconds", help="Seconds per step of the 1→64→1 ramp."),
+) -> None:
+    """Start a local SIMULATED GPU host, deploy threshold 5 to it, drive a load ramp and watch speculation switch."""
+    printer = EventPrinter(quiet=False)
+    console.print("[bold magenta]dynctl demo[/] — everything below runs against a [bold]SIMULATED[/] SGLang server "
+                  "on 127.0.0.1 (no GPU, no model), patched through the real deploy path.")
+    host = core.prepare(config, port=port, time_scale=time_scale, on_event=printer)
+    if no_tui:
+        flips = core.story(host, threshold, lambda line: console.print(escape(line)), printer,
+                           seconds=level_seconds)
+        console.print(f"speculation switched {flips} time(s) as the load crossed threshold {threshold}.")
+        console.print(f"The demo server keeps running: try `dynctl status --host {core.DEMO_HOST}`, "
+                      f"`dynctl tui --host {core.DEMO_HOST}`; `dynctl stop --host {core.DEMO_HOST} --yes` ends it.")
+        return
+    from dynctl.tui.demo import run_demo_tui
+
+    core.deploy_threshold(host, threshold, printer)
+    stop = threading.Event()
+    ramp = threading.Thread(target=lambda: [None for _ in core.load_ramp(host.agent, seconds=level_seconds, stop=stop)],
+                            name="demo-load-ramp", daemon=True)
+    ramp.start()
+    try:
+        run_demo_tui(host.config, host.host)
+    finally:
+        stop.set()

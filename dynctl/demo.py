@@ -1,0 +1,165 @@
+"""`dynctl demo`: a local simulated GPU host, a deploy of threshold 5, and a load ramp that crosses it (UI-free).
+
+The story, as events: prepare the host (pristine sglang 0.5.9 from PyPI, the simulator, a fake nvidia-smi),
+register it as host `demo` in the user's config, start the pristine server, deploy threshold 5 through
+the real deploy path, then drive 1 → 64 → 1 concurrent streams so speculation turns off and on again.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dynctl import deploy as core
+from dynctl import events
+from dynctl.agent import AgentClient
+from dynctl.config import Config, HostConfig, find_config_path, load_config, user_config_path
+from dynctl.errors import ConfigError
+from dynctl.lifecycle import restart_server, server_argv
+from dynctl.transport import connect
+
+DEMO_HOST = "demo"
+RAMP = (1, 2, 4, 8, 16, 32, 64, 32, 16, 8, 4, 2, 1)
+
+
+def demo_root() -> Path:
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return Path(base) / "dynctl" / "demo"
+
+
+def _toml(value: Any) -> str:
+    import json
+
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a valid TOML basic string
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {_toml(v)}" for k, v in value.items()) + " }"
+    raise TypeError(f"cannot write {type(value).__name__} to TOML")
+
+
+def register_demo_host(entry: dict[str, Any], config_path: str | None = None) -> Path:
+    """Add [hosts.demo] to the user's config (creating it if needed); an existing entry is replaced.
+
+    The file is rewritten only by appending or swapping the demo section as text, so the operator's
+    comments and other hosts stay exactly as they were.
+    """
+    path = find_config_path(config_path) if config_path or os.environ.get("DYNCTL_CONFIG") else None
+    if path is None:
+        path = user_config_path()
+    text = path.read_text() if path.exists() else ""
+    if text:
+        load_config(path)  # refuse to touch a config that does not parse (ConfigError names it)
+    section = [f"[hosts.{DEMO_HOST}]", "# a SIMULATED GPU host made by `dynctl demo` (no GPU, no model)"]
+    section += [f"{k} = {_toml(v)}" for k, v in entry.items()]
+    block = "\n".join(section) + "\n"
+    lines = text.splitlines(keepends=True)
+    start = next((i for i, ln in enumerate(lines) if ln.strip() == f"[hosts.{DEMO_HOST}]"), None)
+    if start is not None:
+        end = next((i for i in range(start + 1, len(lines)) if lines[i].lstrip().startswith("[")), len(lines))
+        new = "".join(lines[:start]) + block + ("\n" if end < len(lines) else "") + "".join(lines[end:])
+    else:
+        head = "" if text else f'default_host = "{DEMO_HOST}"\n\n'
+        sep = "" if not text or text.endswith("\n\n") else ("\n" if text.endswith("\n") else "\n\n")
+        new = head + text + sep + block
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(new)
+    os.replace(tmp, path)
+    cfg = load_config(path)
+    if DEMO_HOST not in cfg.hosts:
+        raise ConfigError(f"{path}: writing [hosts.{DEMO_HOST}] failed")
+    return path
+
+
+@dataclass
+class DemoHost:
+    config: Config
+    host: HostConfig
+    agent: AgentClient
+    config_path: Path
+
+
+def prepare(config_path: str | None = None, root: Path | None = None, port: int = 30000,
+            time_scale: float = 1.0, on_event: events.EventSink = events.ignore) -> DemoHost:
+    from dynctl.sim.hostsetup import prepare_demo_host
+
+    root = root or demo_root()
+    on_event(events.StepStarted("prepare", f"simulated GPU host in {root} (sglang 0.5.9 from PyPI)"))
+    entry = prepare_demo_host(root, port=port, time_scale=time_scale)
+    path = register_demo_host(entry, config_path)
+    on_event(events.StepDone("prepare", 0.0, f"registered as host '{DEMO_HOST}' in {path}"))
+    cfg = load_config(path)
+    host = cfg.host(DEMO_HOST)
+    return DemoHost(cfg, host, AgentClient(connect(host, cfg), host), path)
+
+
+def deploy_threshold(demo: DemoHost, threshold: int = 5, on_event: events.EventSink = events.ignore) -> dict:
+    """Start the demo from the pristine server, then deploy `threshold` through the real deploy path."""
+    releases = core.list_releases(demo.agent)
+    if any(r.get("state") == "applied" for r in releases):
+        core.rollback(demo.agent, demo.host, to="baseline", on_event=on_event, grace=10)
+    else:
+        restart_server(demo.agent, server_argv(demo.host), grace=10, on_event=on_event)
+    plan = core.plan_deploy(demo.agent, demo.host, threshold)
+    if plan.noop:
+        return {"threshold_in_force": threshold, "noop": plan.noop}
+    return core.deploy(demo.agent, plan, on_event, grace=10)
+
+
+@dataclass(frozen=True)
+class RampLevel:
+    concurrency: int
+    output_throughput: float | None
+    mean_batch: float | None
+    spec_on_share: float | None
+    errors: int
+
+
+def load_ramp(agent: AgentClient, levels: tuple[int, ...] = RAMP, seconds: float = 4.5,
+              stop: threading.Event | None = None) -> Iterator[RampLevel]:
+    """Drive each concurrency for `seconds` with the bench load generator on the host; yield what it saw."""
+    from dynctl.bench.stats import summarize_level
+
+    for concurrency in levels:
+        if stop is not None and stop.is_set():
+            return
+        raw: dict[str, Any] | None = None
+        for item in agent.stream("bench_level", concurrency=concurrency, input_len=64, output_len=64,
+                                 duration=seconds, warmup=0):
+            if item.get("event") == "level":
+                raw = item
+        if raw is None:
+            continue
+        level = summarize_level(raw, input_len=64, duration_mode=True)
+        server = level.get("server") or {}
+        yield RampLevel(concurrency, level.get("output_throughput"), server.get("mean_batch_size"),
+                        server.get("spec_on_share"), int(level.get("failed") or 0))
+
+
+def story(demo: DemoHost, threshold: int, on_line: Callable[[str], None],
+          on_event: events.EventSink = events.ignore, levels: tuple[int, ...] = RAMP, seconds: float = 4.5) -> int:
+    """The whole demo as text (for --no-tui); returns the number of levels that saw speculation flip."""
+    result = deploy_threshold(demo, threshold, on_event)
+    on_line(f"threshold {result.get('threshold_in_force')} in force on the SIMULATED host '{DEMO_HOST}'")
+    on_line(f"{'streams':>8} {'tok/s':>8} {'batch':>6}  speculation")
+    flips = 0
+    last = None
+    for lvl in load_ramp(demo.agent, levels, seconds):
+        state = "-" if lvl.spec_on_share is None else ("ON" if lvl.spec_on_share >= 0.5 else "OFF")
+        if last is not None and state != last:
+            flips += 1
+        last = state
+        share = "" if lvl.spec_on_share is None else f" ({lvl.spec_on_share:.0%} of steps speculated)"
+        on_line(f"{lvl.concurrency:>8} {lvl.output_throughput or 0:>8.0f} {lvl.mean_batch or 0:>6.1f}  {state}{share}"
+                + (f"  {lvl.errors} errors" if lvl.errors else ""))
+    return flips
