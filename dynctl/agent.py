@@ -81,9 +81,9 @@ class AgentClient:
         }).encode()
 
     def _boot_argv(self) -> list[str]:
-        env = [f"{k}={v}" for k, v in self.host.env.items()]
-        prefix = ["env", *env] if env else []
-        return [*prefix, self.host.python, "-c", _BOOT, self.host.workdir, resources.agent_digest()]
+        # The host's env is applied by the agent to what it runs (with $VARS expanded there), not here:
+        # `env PATH=/x:${PATH}` would hand the agent a literal "${PATH}".
+        return [self.host.python, "-c", _BOOT, self.host.workdir, resources.agent_digest()]
 
     def upload(self) -> None:
         argv = [self.host.python, "-c", _UPLOAD, self.host.workdir, resources.agent_digest()]

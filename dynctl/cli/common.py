@@ -25,6 +25,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 HostOpt = typer.Option(None, "--host", "-H", help="Host name from the config (default: default_host).")
 ConfigOpt = typer.Option(None, "--config", "-c", help="Config file (else $DYNCTL_CONFIG, ./dynctl.toml, ~/.config/dynctl/config.toml).")
 JsonOpt = typer.Option(False, "--json", help="Machine-readable output.")
+VerboseOpt = typer.Option(False, "--verbose", "-v", help="Show every server log line while waiting.")
 YesOpt = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation (required when stdin is not a TTY).")
 
 

@@ -11,7 +11,7 @@ from rich.syntax import Syntax
 from rich.table import Table
 
 from dynctl import deploy as core
-from dynctl.cli.common import ConfigOpt, HostOpt, JsonOpt, YesOpt, confirm, console, handle_errors, open_host
+from dynctl.cli.common import ConfigOpt, HostOpt, JsonOpt, VerboseOpt, YesOpt, confirm, console, handle_errors, open_host
 from dynctl.cli.lifecycle import GraceOpt, ReadyTimeoutOpt, EventPrinter
 from dynctl.transport import sh_join
 
@@ -33,6 +33,7 @@ def deploy(
     grace: float = GraceOpt,
     ready_timeout: float = ReadyTimeoutOpt,
     as_json: bool = JsonOpt,
+    verbose: bool = VerboseOpt,
 ) -> None:
     """Inspect, validate with the server's own interpreter, back up, switch, restart, health-gate; roll back on failure."""
     session = open_host(host, config)
@@ -60,7 +61,7 @@ def deploy(
         return
     confirm(f"Deploy threshold {plan.threshold} to {session.host.name} ({session.host.route}), restarting its server?",
             yes)
-    result = core.deploy(session.agent, plan, EventPrinter(quiet=as_json), grace=grace, ready_timeout=ready_timeout)
+    result = core.deploy(session.agent, plan, EventPrinter(quiet=as_json, verbose=verbose), grace=grace, ready_timeout=ready_timeout)
     elapsed = time.monotonic() - t0
     if as_json:
         console.print_json(json.dumps(dict(result, elapsed=elapsed, round_trips=session.agent.round_trips), default=str))
@@ -79,11 +80,12 @@ def rollback(
     grace: float = GraceOpt,
     ready_timeout: float = ReadyTimeoutOpt,
     as_json: bool = JsonOpt,
+    verbose: bool = VerboseOpt,
 ) -> None:
     """Back to the previous release (or --to R) and restart with its recorded launch arguments."""
     session = open_host(host, config)
     confirm(f"Roll {session.host.name} back to {to or 'the previous release'}, restarting its server?", yes)
-    result = core.rollback(session.agent, session.host, to, EventPrinter(quiet=as_json), grace=grace,
+    result = core.rollback(session.agent, session.host, to, EventPrinter(quiet=as_json, verbose=verbose), grace=grace,
                            ready_timeout=ready_timeout)
     if as_json:
         console.print_json(json.dumps(result, default=str))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import typer
@@ -13,6 +14,7 @@ from dynctl.cli.common import (
     ConfigOpt,
     HostOpt,
     JsonOpt,
+    VerboseOpt,
     YesOpt,
     confirm,
     console,
@@ -39,8 +41,13 @@ class EventPrinter:
     quiet (--json): only warnings and failures, on stderr, so stdout stays one JSON document.
     """
 
-    def __init__(self, quiet: bool = False) -> None:
+    # Server log lines worth a line of their own without --verbose; the rest scroll by in the journal.
+    NOTABLE = re.compile(r"Traceback|Error|error:|WARNING|fired up and ready|Speculation (en|dis)abled|not armed"
+                         r"|never fires|release |server pid|stopped|Uvicorn running")
+
+    def __init__(self, quiet: bool = False, verbose: bool = False) -> None:
         self.quiet = quiet
+        self.verbose = verbose
         self.out = err_console if quiet else console
 
     def __call__(self, event: events.Event) -> None:
@@ -52,7 +59,7 @@ class EventPrinter:
                 console.print(f"[green]✓[/] {event.step:<6} {event.elapsed:6.2f} s  {escape(event.detail)}",
                               soft_wrap=True)
         elif isinstance(event, events.LogLine):
-            if not self.quiet:
+            if not self.quiet and (self.verbose or self.NOTABLE.search(event.text)):
                 console.print(f"  [dim]│ {escape(event.text)}[/]", soft_wrap=True)
         elif isinstance(event, events.Warning):
             self.out.print(f"[yellow]![/] {escape(event.text)}", soft_wrap=True)
@@ -80,6 +87,7 @@ def stop(
     grace: float = GraceOpt,
     yes: bool = YesOpt,
     as_json: bool = JsonOpt,
+    verbose: bool = VerboseOpt,
 ) -> None:
     """Stop the server: SIGTERM, drain, SIGKILL after --grace, sweep its processes, wait for port and GPU."""
     session = open_host(host, config)
@@ -94,7 +102,7 @@ def stop(
         return
     what = f"pid {state.pid}" if state.pid else f"{len(state.leftovers)} leftover process(es) of the old server"
     confirm(f"Stop the server on {session.host.name} ({what})?", yes)
-    result = lifecycle.stop_server(session.agent, grace, on_event=EventPrinter(quiet=as_json))
+    result = lifecycle.stop_server(session.agent, grace, on_event=EventPrinter(quiet=as_json, verbose=verbose))
     if as_json:
         _print_json(result)
 
@@ -106,6 +114,7 @@ def start(
     ready_timeout: float = ReadyTimeoutOpt,
     yes: bool = YesOpt,
     as_json: bool = JsonOpt,
+    verbose: bool = VerboseOpt,
 ) -> None:
     """Start the server detached with the configured launch argv, then wait until it serves."""
     session = open_host(host, config)
@@ -115,7 +124,7 @@ def start(
         console.print(f"server on {session.host.name} is already running: {_describe(state)}")
         return
     confirm(f"Start the server on {session.host.name}: {' '.join(argv)}?", yes)
-    printer = EventPrinter(quiet=as_json)
+    printer = EventPrinter(quiet=as_json, verbose=verbose)
     started = lifecycle.start_server(session.agent, argv, on_event=printer)
     ready = lifecycle.wait_ready(session.agent, ready_timeout, on_event=printer)
     if as_json:
@@ -130,6 +139,7 @@ def restart(
     ready_timeout: float = ReadyTimeoutOpt,
     yes: bool = YesOpt,
     as_json: bool = JsonOpt,
+    verbose: bool = VerboseOpt,
 ) -> None:
     """Stop and start again with the same arguments, in one step on the host."""
     session = open_host(host, config)
@@ -140,7 +150,7 @@ def restart(
     shown = " ".join(state.argv) if argv is None else " ".join(argv)
     confirm(f"Restart the server on {session.host.name} ({_describe(state)}) as: {shown}?", yes)
     ready = lifecycle.restart_server(session.agent, argv, grace=grace, ready_timeout=ready_timeout,
-                                     on_event=EventPrinter(quiet=as_json))
+                                     on_event=EventPrinter(quiet=as_json, verbose=verbose))
     if as_json:
         _print_json(ready)
 

@@ -1,0 +1,92 @@
+"""`dynctl demo --no-tui` end to end, and how it registers the demo host in the user's config."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from dynctl.config import load_config
+from dynctl.demo import register_demo_host
+from sglang_trees import sglang_wheel
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dynctl", *args], capture_output=True, text=True, env=env,
+                          stdin=subprocess.DEVNULL, timeout=600)
+
+
+def test_demo_no_tui_tells_the_whole_story(tmp_path, isolated_home):
+    data = tmp_path / "data"
+    cache = data / "dynctl" / "demo" / "cache"
+    cache.mkdir(parents=True)
+    wheel = sglang_wheel("0.5.9")
+    shutil.copy(wheel, cache / wheel.name)  # the demo downloads it otherwise; the test cache has it
+    env = dict(os.environ, HOME=str(isolated_home), XDG_DATA_HOME=str(data))
+    env.pop("DYNCTL_CONFIG", None)
+    port = free_port()
+    try:
+        out = run("demo", "--no-tui", "--port", str(port), "--time-scale", "10", "--level-seconds", "1.5", env=env)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "SIMULATED" in out.stdout
+        assert "threshold 5 in force" in out.stdout
+        rows = [ln.split() for ln in out.stdout.splitlines() if ln.strip()[:1].isdigit() and ("ON" in ln or "OFF" in ln)]
+        states = {int(r[0]): r[3] for r in rows}
+        assert states[1] == "ON" and states[64] == "OFF"
+        assert "speculation switched 2 time(s)" in out.stdout
+
+        config = isolated_home / ".config" / "dynctl" / "config.toml"
+        assert load_config(config).hosts["demo"].simulated is True
+        status = run("status", "--host", "demo", "--json", env=env)
+        assert status.returncode == 0, status.stderr
+        report = json.loads(status.stdout)
+        assert report["server"]["threshold"] == 5
+        assert report["patch"]["status"] == "applied"
+    finally:
+        run("stop", "--host", "demo", "--yes", "--grace", "5", env=env)
+
+
+def test_register_keeps_the_operators_config(tmp_path):
+    path = tmp_path / "config.toml"
+    original = '# my fleet\ndefault_host = "glm5"\n\n[hosts.glm5]\nssh = "root@pve"  # the big box\npct = 129\n'
+    path.write_text(original)
+    entry = {"python": "/usr/bin/python3", "workdir": "/tmp/w", "port": 30001, "simulated": True,
+             "env": {"PATH": "/x/bin:${PATH}"}, "args": ["--tp", "8"]}
+    register_demo_host(entry, str(path))
+    text = path.read_text()
+    assert text.startswith(original)
+    cfg = load_config(path)
+    assert cfg.default_host == "glm5" and cfg.hosts["glm5"].pct == 129
+    assert cfg.hosts["demo"].port == 30001 and cfg.hosts["demo"].env == {"PATH": "/x/bin:${PATH}"}
+
+    register_demo_host(dict(entry, port=30002), str(path))  # again: replaced, not duplicated
+    cfg = load_config(path)
+    assert cfg.hosts["demo"].port == 30002
+    assert path.read_text().count("[hosts.demo]") == 1
+    assert path.read_text().startswith(original)
+
+
+def test_register_refuses_a_broken_config(tmp_path):
+    path = tmp_path / "config.toml"
+    path.write_text("[hosts.a\n")
+    proc = subprocess.run([sys.executable, "-c", "from dynctl.demo import register_demo_host as r; "
+                           f"r({{'port': 1}}, {str(path)!r})"], capture_output=True, text=True)
+    assert proc.returncode != 0 and "TOML syntax error" in proc.stderr
+    assert path.read_text() == "[hosts.a\n"
+
+
+def test_demo_root_follows_xdg(tmp_path, monkeypatch):
+    from dynctl.demo import demo_root
+
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
+    assert demo_root() == Path(tmp_path) / "dynctl" / "demo"
