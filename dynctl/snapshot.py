@@ -58,6 +58,7 @@ class HostSnapshot:
     operation: str | None = None  # "deploy by alice since ..." while the host lock is held
     threshold: int | None = None
     running_reqs: int | None = None  # the batch size
+    idle: bool = False  # the scheduler says nothing runs or waits (live, from /v1/loads)
     queue_reqs: int | None = None
     token_usage: float | None = None
     used_tokens: int | None = None
@@ -182,16 +183,20 @@ def build_snapshot(item: dict[str, Any], host: str, prev: HostSnapshot | None = 
                       "native" if info.get("speculative_adaptive") else None,
                       prev.strategy if prev is not None else None)
 
+    live = _live_loads(item.get("loads"))
+    idle = up and live[0] == 0 and live[1] == 0
     speculation = _speculation(metrics, switches, spec_configured, strategy, prev if same_run else None)
     if not up:
         speculation = None
-    if (not switches and speculation is not None and prev is not None and same_run
-            and prev.speculation is not None and prev.speculation != speculation):
+    if (not switches and speculation is not None and prev is not None and same_run and not prev.idle
+            and not idle and prev.speculation is not None and prev.speculation != speculation):
         switches.append(Switch(t, speculation))  # seen in the gauge only: the sample time is the best we know
     last_switch = latest_switch(switches) if switches else (prev.last_switch if prev else None)
     if last_switch is not None and prev is not None and prev.last_switch is not None and prev.last_switch.time > last_switch.time:
         last_switch = prev.last_switch
 
+    running = _first(live[0], metrics.running_reqs, decode.running_reqs if decode else None) if up else None
+    queue = _first(live[1], metrics.queue_reqs, decode.queue_reqs if decode else None) if up else None
     gpus_part = item.get("gpus") or {}
     gpus: tuple[GpuStat, ...] = ()
     gpu_error = None
@@ -213,6 +218,10 @@ def build_snapshot(item: dict[str, Any], host: str, prev: HostSnapshot | None = 
                        _int_or_none(info.get("speculative_disable_batch_threshold")),
                        _int_or_none(release.get("threshold")) if up else None,
                        prev.threshold if same_run and prev else None)
+    if idle and strategy == "patch" and threshold is not None and spec_configured and not spec_warning:
+        # Nothing runs, so no step decides; the gauge keeps the last decision (say, OFF after a burst that
+        # was aborted at once). What matters now is what the next request gets: a batch of one.
+        speculation = threshold < 0 or threshold >= 1
     return HostSnapshot(
         host=host,
         time=t,
@@ -227,9 +236,10 @@ def build_snapshot(item: dict[str, Any], host: str, prev: HostSnapshot | None = 
         release=release.get("id") or proc.get("release"),
         operation=operation,
         threshold=threshold,
-        running_reqs=_first(metrics.running_reqs, decode.running_reqs if decode else None) if up else None,
-        queue_reqs=_first(metrics.queue_reqs, decode.queue_reqs if decode else None) if up else None,
-        token_usage=_first(metrics.token_usage, decode.token_usage if decode else None) if up else None,
+        running_reqs=running,
+        idle=idle,
+        queue_reqs=queue,
+        token_usage=_first(live[2], metrics.token_usage, decode.token_usage if decode else None) if up else None,
         used_tokens=_first(metrics.used_tokens, decode.tokens if decode else None) if up else None,
         max_total_tokens=metrics.max_total_tokens if up else None,
         gen_throughput=_first(metrics.gen_throughput, decode.gen_throughput if decode else None) if up else None,
@@ -253,6 +263,20 @@ def build_snapshot(item: dict[str, Any], host: str, prev: HostSnapshot | None = 
         drain_pid=drain_pid,
         process_started=started,
     )
+
+
+def _live_loads(part: dict[str, Any] | None) -> tuple[int | None, int | None, float | None]:
+    """(running, waiting, token usage) summed / averaged over DP ranks from /v1/loads, or Nones."""
+    loads = (part or {}).get("loads") if (part or {}).get("ok") else None
+    if not loads:
+        return None, None, None
+    try:
+        running = sum(int(d.get("num_running_reqs") or 0) for d in loads)
+        waiting = sum(int(d.get("num_waiting_reqs") or 0) for d in loads)
+        usages = [float(d["token_usage"]) for d in loads if d.get("token_usage") is not None]
+    except (TypeError, ValueError):
+        return None, None, None
+    return running, waiting, (sum(usages) / len(usages) if usages else None)
 
 
 def _speculation(m: ServerMetrics, switches: list[Switch], configured: bool | None, strategy: str | None,

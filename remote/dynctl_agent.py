@@ -1148,7 +1148,7 @@ _WATCH_LOG_CAP = 1 << 20  # most log bytes read per interval; a flood beyond tha
 _WATCH_MARKS = ("Speculation enabled", "Speculation disabled", "SIGTERM received", "fired up and ready to roll",
                 "Traceback (most recent call last)", "is not armed:", "never fires:")
 _WATCH_MAX_MARKS = 200
-_WATCH_OWN_REQUESTS = ('"GET /metrics HTTP/1.1"', '"GET /server_info HTTP/1.1"')
+_WATCH_OWN_REQUESTS = ('"GET /metrics HTTP/1.1"', '"GET /server_info HTTP/1.1"', '"GET /v1/loads?include=core HTTP/1.1"')
 # Same query as dynctl.metrics.GPU_QUERY; the index first cuts the looping output into one block per period.
 _WATCH_GPU_FIELDS = "index,uuid,name,utilization.gpu,memory.used,memory.total"
 _WATCH_INFO_KEYS = ("version", "model_path", "served_model_name", "tp_size", "dp_size", "enable_dp_attention",
@@ -1189,6 +1189,22 @@ def _watch_metrics(ctx, timeout):
         elif line.startswith("# TYPE sglang:"):
             keep.append(line)
     return {"ok": True, "text": "\n".join(keep) + "\n", "ms": round((time.time() - t0) * 1000, 1)}
+
+
+def _watch_loads(ctx, timeout):
+    """/v1/loads?include=core (sglang >= 0.5.8): the scheduler's batch right now. The /metrics gauges are
+    only written every decode_log_interval steps and, once idle, every 30 s (scheduler_runtime_checker_mixin
+    check_memory), so they lag exactly when load moves."""
+    try:
+        data = json.loads(_watch_get(ctx.port, "/v1/loads?include=core", timeout, 1 << 20).decode("utf-8", "replace"))
+    except (OSError, ValueError, urllib.error.URLError) as err:
+        return {"ok": False, "error": _watch_http_error(err)}
+    loads = data.get("loads") if isinstance(data, dict) else None
+    if not isinstance(loads, list):
+        return {"ok": False, "error": "/v1/loads without a loads list"}
+    keep = ("dp_rank", "num_running_reqs", "num_waiting_reqs", "num_used_tokens", "max_total_num_tokens",
+            "token_usage", "gen_throughput")
+    return {"ok": True, "loads": [{k: d.get(k) for k in keep} for d in loads if isinstance(d, dict)]}
 
 
 def _watch_server_info(ctx, timeout):
@@ -1494,7 +1510,7 @@ def watch(ctx, interval=1.0, log_lines=50, gpus=True, max_items=None, info_every
     previous = None
     if threading.current_thread() is threading.main_thread():  # a closed stream ends us by SIGTERM
         previous = signal.signal(signal.SIGTERM, _watch_sigterm)
-    seq, slot, info_at, last_pid, last_http = 0, time.time(), None, None, None
+    seq, slot, info_at, last_pid, last_http, loads_missing_at = 0, time.time(), None, None, None, None
     try:
         while True:
             start = time.time()
@@ -1502,7 +1518,10 @@ def watch(ctx, interval=1.0, log_lines=50, gpus=True, max_items=None, info_every
             item = {"ok": True, "seq": seq, "t": start, "utc_offset": time.localtime(start).tm_gmtoff,
                     "interval": interval, "port": ctx.port}
             item["process"] = proc.sample(start)
-            item["metrics"] = _watch_metrics(ctx, max(0.05, budget * 0.5))
+            item["metrics"] = _watch_metrics(ctx, max(0.05, budget * 0.4))
+            if loads_missing_at is None or start - loads_missing_at >= 60:  # an older sglang: look again now and then
+                item["loads"] = _watch_loads(ctx, max(0.05, start + budget * 0.6 - time.time()))
+                loads_missing_at = start if item["loads"].get("error", "").startswith("HTTP 404") else None
             pid = item["process"]["pid"]
             if (info_at is None or start - info_at >= info_every or pid != last_pid
                     or item["metrics"]["ok"] != last_http):

@@ -202,7 +202,11 @@ def local_agent(port: int) -> AgentClient:
     import sys
 
     host = HostConfig(name="benchtest", port=port, python=sys.executable)
-    return AgentClient(Local(), host)
+    agent = AgentClient(Local(), host)
+    # Upload the agent with a plain call first: a stream to a missing agent can meet a closed stdin pipe
+    # (LocalStream writes the request after the boot stub may already have exited 97).
+    agent.call("ping")
+    return agent
 
 
 def run_level(agent: AgentClient, **params) -> tuple[list[dict], dict]:

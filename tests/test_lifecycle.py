@@ -257,7 +257,12 @@ def test_without_psutil_on_the_host(box: Box, tmp_path):
     (blocker / "psutil.py").write_text("raise ImportError('psutil blocked for this test')\n")
     from lifecycle_harness import make_box
 
-    b = make_box(tmp_path / "np", env={"PYTHONPATH": f"{blocker}:{box.host.env['PYTHONPATH']}"})
+    # an interpreter that cannot import psutil: the real python behind a wrapper that shadows it
+    python = tmp_path / "python-without-psutil"
+    python.write_text(f"#!/bin/sh\nPYTHONPATH={blocker}:$PYTHONPATH exec {sys.executable} \"$@\"\n")
+    python.chmod(0o755)
+    b = make_box(tmp_path / "np", python=str(python),
+                 env={"PYTHONPATH": f"{blocker}:{box.host.env['PYTHONPATH']}"})
     try:
         assert b.agent.call("inspect")["psutil"] is False
         pid = b.start_ready("--children", "--orphan-port")["pid"]

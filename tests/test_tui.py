@@ -108,6 +108,17 @@ class TestIndicators:
             axis = harness.panel(ChartPanel).text().splitlines()[-1]
             assert axis.index("▼") < axis.index("▲")  # off, then on, in time order
 
+    async def test_idle_shows_what_the_next_request_gets(self, harness: Harness) -> None:
+        async with harness.app.run_test(size=(80, 24)) as pilot:
+            harness.push(item(T0, 0, 12, spec=False, marks=[transition_line(T0 - 1, False, 12, 5)], loads=(12, 0)))
+            await pilot.pause()
+            assert "SPECULATION OFF" in harness.panel(SpeculationPanel).text()
+            harness.push(item(T0 + 1, 1, 12, spec=False, loads=(0, 0)))  # gauges stale, scheduler empty
+            await pilot.pause()
+            text = harness.panel(SpeculationPanel).text()
+            assert "SPECULATION ON" in text and "idle: the next request speculates" in text
+            assert "batch    0" in harness.panel(LoadPanel).text()
+
     async def test_header_shows_host_version_strategy_release_state_uptime(self, harness: Harness) -> None:
         async with harness.app.run_test(size=(120, 30)) as pilot:
             assert "waiting for the first sample" in harness.panel(HeaderBar).text()

@@ -56,22 +56,30 @@ def demo_config(sshd: FakeHost, tmp_path: Path, tmp_path_factory: pytest.TempPat
 
 
 class Load:
-    """`streams` concurrent streaming /generate requests, each re-opened until stop()."""
+    """Concurrent streaming /generate requests, each re-opened until its own stop; `ramp_down` ends them
+    one by one, as load leaves a real server (so the batch passes through every size on the way down)."""
 
     def __init__(self, port: int, streams: int) -> None:
-        self.port, self.streams = port, streams
-        self.stopping = threading.Event()
-        self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(streams)]
+        self.port = port
+        self.stops = [threading.Event() for _ in range(streams)]
+        self.threads = [threading.Thread(target=self._run, args=(e,), daemon=True) for e in self.stops]
 
-    def _run(self) -> None:
+    def _run(self, stop: threading.Event) -> None:
         body = {"text": "Tell me about speculative decoding.", "stream": True,
                 "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}
         with httpx.Client(timeout=60) as client:
-            while not self.stopping.is_set():
+            while not stop.is_set():
                 with client.stream("POST", f"http://127.0.0.1:{self.port}/generate", json=body) as resp:
                     for _ in resp.iter_lines():
-                        if self.stopping.is_set():
+                        if stop.is_set():
                             break  # closing the stream aborts the request on the server
+
+    def ramp_down(self, until: threading.Event) -> None:
+        for stop, thread in zip(self.stops, self.threads):
+            if until.is_set():
+                break
+            stop.set()
+            thread.join(30)
 
     def __enter__(self) -> Load:
         for t in self.threads:
@@ -79,7 +87,8 @@ class Load:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.stopping.set()
+        for stop in self.stops:
+            stop.set()
         for t in self.threads:
             t.join(30)
 
@@ -107,13 +116,18 @@ async def test_indicator_flips_off_under_load_and_back_on(demo_config: Path) -> 
         assert "thr 5" in app.dashboard.query_one(LoadPanel).text()
         await wait_until(lambda: "SPECULATION ON" in spec.text(), "speculation on while idle")
 
-        with Load(host.port, streams=12):
+        with Load(host.port, streams=12) as load:
             await wait_until(lambda: "SPECULATION OFF" in spec.text(), "speculation off under 12 streams")
             snap = app.latest["demo"]
             assert snap is not None and snap.running_reqs is not None and snap.running_reqs > 5
             assert snap.last_switch is not None and snap.last_switch.enabled is False
             assert "> threshold 5" in spec.text()
-        await wait_until(lambda: "SPECULATION ON" in spec.text(), "speculation back on after the load")
+            back_on = threading.Event()
+            ramp = threading.Thread(target=load.ramp_down, args=(back_on,), daemon=True)
+            ramp.start()
+            await wait_until(lambda: "SPECULATION ON" in spec.text(), "speculation back on as the load leaves")
+            back_on.set()
+            assert "≤ threshold 5" in spec.text()
         history = app.histories["demo"]
         assert history is not None
         kinds = [s.enabled for s in history.switches()]

@@ -293,3 +293,28 @@ def test_sigterm_drain_in_the_log_is_draining(server: SglangLikeServer, workdir:
         assert build_snapshot(item, "box", snap).state == "draining"
     finally:
         stream.close()
+
+
+def test_live_loads_beat_stale_gauges_and_idle_means_the_next_request(server: SglangLikeServer,
+                                                                      workdir: Path) -> None:
+    (workdir / "server.pid").write_text(str(os.getpid()))
+    # a burst of 12 was aborted at once: the gauges still say 12 running and speculation off
+    server.state.update(running=12, spec=False, loads=(12, 0))
+    stream = client(workdir, server.port).stream("watch", interval=0.15)
+    try:
+        snap = build_snapshot(next(stream), "box")
+        assert (snap.running_reqs, snap.speculation, snap.idle) == (12, False, False)
+        server.state["loads"] = (0, 0)  # the scheduler is empty; the gauges are not rewritten until 30 s idle
+        item = first(stream, lambda i: i.get("loads", {}).get("loads", [{}])[0].get("num_running_reqs") == 0,
+                     what="idle loads")
+        snap = build_snapshot(item, "box", snap)
+        assert snap.running_reqs == 0 and snap.idle and snap.speculation is True  # a batch of one speculates
+        assert snap.switches == ()  # going idle is not a switch
+    finally:
+        stream.close()
+    server.state["loads"] = None  # sglang < 0.5.8: the agent asks once, then only every minute
+    stream = client(workdir, server.port).stream("watch", interval=0.1, max_items=5)
+    before = server.requests.count("/v1/loads?include=core")
+    items = list(stream)
+    assert server.requests.count("/v1/loads?include=core") - before == 1
+    assert build_snapshot(items[-1], "box").running_reqs == 12

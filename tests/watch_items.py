@@ -69,7 +69,8 @@ def transition_line(t: float, enabled: bool, batch: int, threshold: int) -> str:
 def item(t: float, seq: int, running: int, *, threshold: int | None = 5, tps: float | None = None,
          spec: bool | None = None, pid: int | None = 4242, started: float | None = None, gpus: int = 8,
          log: list[str] | None = None, marks: list[str] | None = None, version: str = "0.5.9",
-         release: dict[str, Any] | None = None, http: bool = True, server_info: bool = True) -> dict[str, Any]:
+         release: dict[str, Any] | None = None, http: bool = True, server_info: bool = True,
+         loads: tuple[int, int] | None = None) -> dict[str, Any]:
     """One `watch` item at host time `t` (UTC, offset 0)."""
     spec_on = (threshold is None or running <= threshold) if spec is None else spec
     if tps is None:
@@ -89,6 +90,9 @@ def item(t: float, seq: int, running: int, *, threshold: int | None = 5, tps: fl
         "lock": None,
         "sample_ms": 3.0,
     }
+    if loads is not None:
+        out["loads"] = {"ok": True, "loads": [{"dp_rank": 0, "num_running_reqs": loads[0], "num_waiting_reqs": loads[1],
+                                               "token_usage": 0.1, "gen_throughput": tps}]}
     if server_info and http and alive:
         out["server_info"] = {"ok": True, "data": {
             "version": version, "speculative_algorithm": "EAGLE3", "speculative_num_steps": 3,

@@ -35,7 +35,8 @@ _HISTOGRAM = (
 class SglangLikeServer:
     def __init__(self) -> None:
         self.state: dict[str, Any] = {"running": 2, "threshold": 5, "spec": True, "tps": 190.0,
-                                      "version": "0.5.9", "metrics_delay": 0.0, "metrics_status": 200}
+                                      "version": "0.5.9", "metrics_delay": 0.0, "metrics_status": 200,
+                                      "loads": None}  # None: no /v1/loads (before 0.5.8); else the live batch
         self.requests: list[str] = []
         outer = self
 
@@ -54,6 +55,17 @@ class SglangLikeServer:
                         return
                     body = metrics_text(s["running"], threshold=s["threshold"], spec=s["spec"], tps=s["tps"]) + _HISTOGRAM
                     self._send(200, body.encode(), "text/plain; version=0.0.4; charset=utf-8")
+                elif self.path == "/v1/loads?include=core" and s["loads"] is not None:
+                    # entrypoints/v1_loads.py get_loads: per-DP core metrics read from the scheduler now
+                    running, waiting = s["loads"]
+                    load = {"dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": waiting,
+                            "num_used_tokens": 100 * running, "max_total_num_tokens": 800000,
+                            "token_usage": 100 * running / 800000, "gen_throughput": s["tps"],
+                            "cache_hit_rate": 0.0, "utilization": 0.0, "max_running_requests": 256,
+                            "num_total_reqs": running + waiting}
+                    body = {"timestamp": "2026-11-29T12:00:00+00:00", "version": s["version"], "dp_rank_count": 1,
+                            "loads": [load], "aggregate": {}}
+                    self._send(200, json.dumps(body).encode(), "application/json")
                 elif self.path == "/server_info":
                     info = {"version": s["version"], "model_path": "/models/glm-5", "tp_size": 8,
                             "speculative_algorithm": "EAGLE3", "speculative_num_steps": 3,

@@ -156,7 +156,9 @@ def render_speculation(snap: HostSnapshot | None, width: int, height: int) -> Te
     if snap.spec_configured is False:
         t.append("no speculative algorithm\nconfigured on the server")
         return t
-    if s is None:
+    if snap.idle and snap.connected:
+        t.append("idle: the next request " + ("speculates" if snap.speculation else "does not speculate"))
+    elif s is None:
         t.append("no switch seen yet")
     else:
         t.append(f"since {clock(s.time)} ({duration(snap.time - s.time)} ago)" if snap.connected
