@@ -1,0 +1,89 @@
+"""`dynctl hosts` and `dynctl status` through the real sshd and the pct stand-in: good hosts and bad ones."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+CTID = 131
+
+
+def dynctl(*args: str, config: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dynctl", *args, "--config", str(config)],
+                          capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120)
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # nothing listens once the socket is closed
+
+
+@pytest.fixture
+def fleet(sshd, tmp_path):
+    """Four hosts on one sshd: plain SSH, SSH+pct, a stopped container, and a closed port."""
+    ct = sshd.make_ct(CTID)
+    sshd.make_ct(CTID + 1, state="stopped")
+    weird = ct / "work dir $HOME `x`"
+    hosts = {
+        "plain": {"ssh": sshd.target, "python": sys.executable, "workdir": str(tmp_path / "plain-work")},
+        "boxed": {"ssh": sshd.target, "pct": CTID, "python": sys.executable, "workdir": str(weird)},
+        "stopped": {"ssh": sshd.target, "pct": CTID + 1, "python": sys.executable},
+        "gone": {"ssh": f"root@127.0.0.1:{closed_port()}", "python": sys.executable},
+    }
+    return sshd.write_config(tmp_path / "dynctl.toml", hosts), weird
+
+
+def test_status_over_ssh_and_pct(fleet):
+    config, weird = fleet
+    out = dynctl("status", "--host", "boxed", "--json", config=config)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)["host"]
+    assert report["route"].endswith(f"pct {CTID}")
+    assert report["workdir"]["path"] == str(weird) and report["workdir"]["writable"]
+    assert report["sglang_version"] is None and report["strategy"] == "absent"  # says so, exit 0
+    text = dynctl("status", "--host", "boxed", config=config)
+    assert text.returncode == 0 and "not installed" in text.stdout
+
+
+def test_hosts_lists_each_with_its_route(fleet):
+    config, _ = fleet
+    out = dynctl("hosts", "--json", config=config)
+    rows = {r["name"]: r for r in json.loads(out.stdout)}
+    assert rows["plain"]["reachable"] and rows["boxed"]["reachable"]
+    assert rows["plain"]["latency_ms"] > 0
+    assert not rows["stopped"]["reachable"] and "not running" in rows["stopped"]["error"]
+    assert not rows["gone"]["reachable"]
+    assert out.returncode == 4  # some host is unreachable
+
+
+@pytest.mark.parametrize(("host", "fragment"), [
+    ("stopped", f"container {CTID + 1} is not running"),
+    ("gone", "127.0.0.1"),
+])
+def test_unreachable_hosts_exit_4(fleet, host, fragment):
+    config, _ = fleet
+    out = dynctl("status", "--host", host, config=config)
+    assert out.returncode == 4, out.stdout + out.stderr
+    assert fragment in out.stderr
+
+
+def test_unknown_host_key_is_refused(sshd, tmp_path):
+    config = sshd.write_config(tmp_path / "dynctl.toml", {"box": {"ssh": sshd.target, "python": sys.executable}})
+    config.with_name("dynctl.known_hosts").write_text("")  # trust nothing
+    out = dynctl("status", config=config)
+    assert out.returncode == 4
+    assert "SHA256:" in out.stderr and "accept_new_host_key" in out.stderr
+
+
+def test_missing_python_on_the_host_exit_3(sshd, tmp_path):
+    config = sshd.write_config(tmp_path / "dynctl.toml",
+                               {"box": {"ssh": sshd.target, "python": "/opt/nowhere/bin/python3"}})
+    out = dynctl("status", config=config)
+    assert out.returncode == 3
+    assert "/opt/nowhere/bin/python3" in out.stderr and "not found" in out.stderr

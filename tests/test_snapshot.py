@@ -1,0 +1,82 @@
+"""build_snapshot and HostHistory as pure functions of `watch` items (no processes, no terminal)."""
+
+from __future__ import annotations
+
+from dynctl.snapshot import HostHistory, Switch, build_snapshot, disconnected, latest_switch
+from dynctl.tui.chart import nice_ceiling, render_chart
+from watch_items import item, transition_line
+
+T0 = 1_795_950_000.0
+
+
+def test_same_second_switches_keep_log_order() -> None:
+    # log stamps have 1 s resolution: off then on within one second must end ON
+    raw = item(T0, 0, 4, spec=True, marks=[transition_line(T0, False, 12, 5), transition_line(T0, True, 5, 5)])
+    snap = build_snapshot(raw, "h")
+    assert snap.last_switch == Switch(T0, True, 5, 5)
+    assert latest_switch([Switch(1.0, False), Switch(1.0, True)]) == Switch(1.0, True)
+
+
+def test_gauge_only_change_is_a_switch_at_the_sample_time() -> None:
+    first = build_snapshot(item(T0, 0, 3), "h")
+    second = build_snapshot(item(T0 + 1, 1, 9), "h", first)  # no log line came (say, the tail was cut)
+    assert second.speculation is False and second.switches == (Switch(T0 + 1, False),)
+
+
+def test_a_restarted_server_forgets_its_drain_and_warnings() -> None:
+    warn = ("[2026-11-29 11:00:00 TP0] speculative_disable_batch_threshold=5 is not armed: DP attention is "
+            "enabled (batch sizes differ). Speculation is never disabled.")
+    a = build_snapshot(item(T0, 0, 3, marks=[warn], started=T0 - 10), "h")
+    assert a.spec_warning == "threshold 5 is not armed: DP attention is enabled (batch sizes differ)"
+    drain = f"[2026-11-29 11:00:05] SIGTERM received. signum=None frame=None. Draining requests and shutting down..."
+    b = build_snapshot(item(T0 + 5, 1, 3, marks=[drain]), "h", a)
+    assert b.state == "draining"
+    c = build_snapshot(item(T0 + 30, 0, 0, pid=5151, started=T0 + 20), "h", b)  # new pid: a new run
+    assert c.state == "ready" and c.spec_warning is None
+
+
+def test_unresponsive_versus_starting() -> None:
+    up = build_snapshot(item(T0, 0, 3), "h")
+    hung = build_snapshot(item(T0 + 1, 1, 3, http=False), "h", up)
+    assert hung.state == "unresponsive" and hung.running_reqs is None
+    fresh = build_snapshot(item(T0, 0, 0, http=False), "h")
+    assert fresh.state == "starting"
+
+
+def test_disconnected_keeps_values_and_first_since() -> None:
+    live = build_snapshot(item(T0, 0, 3), "h")
+    d1 = disconnected("h", T0 + 5, "reset", live, retry_at=T0 + 6)
+    d2 = disconnected("h", T0 + 9, "refused", d1, retry_at=T0 + 11)
+    assert (d2.connected, d2.disconnected_since, d2.error, d2.running_reqs) == (False, T0 + 5, "refused", 3)
+
+
+def test_history_trims_dedupes_and_tails() -> None:
+    h = HostHistory("h", window_s=60, log_lines=5)
+    prev = None
+    for i in range(100):
+        marks = [transition_line(T0 + 10, False, 7, 5)] if i in (10, 11) else []  # a reconnect re-sends a mark
+        prev = build_snapshot(item(T0 + i, i if i != 50 else 0, 3, log=[f"line {i}"], marks=marks), "h", prev)
+        h.add(prev)
+    points = h.points()
+    assert points[0].time == T0 + 39 and points[-1].time == T0 + 99  # the last 60 s
+    assert h.switches() == []  # the one switch at T0+10 left the window
+    assert h.log_tail() == [f"line {i}" for i in range(95, 100)]
+    lines, mark, reset = h.log_since(None)
+    assert reset and lines == h.log_tail()
+    h.add(build_snapshot(item(T0 + 100, 101, 3, log=["new"]), "h", prev))
+    assert h.log_since(mark) == (["new"], (mark[0], mark[1] + 1), False)
+    h.add(disconnected("h", T0 + 101, "gone", h.latest))
+    assert h.latest is not None and not h.latest.connected and h.last_live is not None and h.last_live.connected
+
+
+def test_chart_scales_and_marks() -> None:
+    assert [nice_ceiling(v) for v in (0, 0.7, 9, 11, 1176, 4300)] == [1.0, 0.8, 10.0, 12.0, 1200.0, 5000.0]
+    h = HostHistory("h")
+    prev = None
+    for i in range(60):
+        marks = [transition_line(T0 + 30, False, 9, 5)] if i == 30 else []
+        prev = build_snapshot(item(T0 + i, i, 3 if i < 30 else 9, marks=marks), "h", prev)
+        h.add(prev)
+    text = render_chart(h.points(), h.switches(), 40, 6, now=T0 + 59, window_s=60).plain.splitlines()
+    assert len(text) == 6 and text[0].startswith("800 ┤") and text[-1].count("▼") == 1
+    assert text[-1].index("▼") in range(len(text[-1]) // 2 - 2, len(text[-1]) // 2 + 4)  # half way along
