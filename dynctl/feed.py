@@ -71,11 +71,18 @@ class HostFeed:
 
     def stop(self, timeout: float = 3.0) -> None:
         """Ask every reader to end; readers blocked on a silent channel are daemons and do not hold us up."""
+        self.request_stop()
+        self.join(time.monotonic() + timeout)
+
+    def request_stop(self) -> None:
         self._stop.set()
         with self._lock:
             self._generation += 1
+
+    def join(self, deadline: float) -> None:
+        """Wait (until the monotonic `deadline`) for readers to close their streams, which ends the agents."""
+        with self._lock:
             threads = list(self._threads)
-        deadline = time.monotonic() + timeout
         for thread in threads:
             thread.join(max(0.0, deadline - time.monotonic()))
 
@@ -175,10 +182,14 @@ class LiveFeed:
             feed.start()
         self._watchdog.start()
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 3.0) -> None:
+        """All hosts at once, one shared deadline: quitting never waits on each slow host in turn."""
         self._stop.set()
         for feed in self.hosts.values():
-            feed.stop()
+            feed.request_stop()
+        deadline = time.monotonic() + timeout
+        for feed in self.hosts.values():
+            feed.join(deadline)
 
     def history(self, host: str) -> HostHistory:
         return self.hosts[host].history

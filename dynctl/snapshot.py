@@ -154,21 +154,9 @@ def build_snapshot(item: dict[str, Any], host: str, prev: HostSnapshot | None = 
     log = item.get("log") or {}
     lines = tuple(log.get("lines") or ())
     decode = parse_decode_line(log["decode"], offset) if log.get("decode") else None
-    switches: list[Switch] = []
-    drain_pid = prev.drain_pid if prev is not None else None
-    spec_warning = prev.spec_warning if prev is not None and same_run else None
-    for mark in log.get("marks") or ():
-        tr = parse_transition_line(mark, offset)
-        warning = None if tr is not None else parse_threshold_warning(mark, offset)
-        if tr is not None:
-            switches.append(Switch(_first(tr.time, t), tr.enabled, tr.batch_size, tr.threshold))
-        elif warning is not None:
-            if warning[0] is None or started is None or warning[0] >= started - 2:  # this run's, not an earlier one's
-                spec_warning = warning[1]
-        elif _DRAIN_MARK in mark and pid is not None:
-            when = split_log_prefix(mark, offset).time
-            if when is None or started is None or when >= started - 2:  # not a drain of an earlier run
-                drain_pid = pid
+    switches, drain_pid, spec_warning = _read_marks(
+        log.get("marks") or (), t, offset, pid, started,
+        prev.drain_pid if prev is not None else None, prev.spec_warning if prev is not None and same_run else None)
 
     answering = _answering(metrics_part) or _answering(info_part)
     draining = (drain_pid == pid and pid is not None) or bool(proc.get("stopping"))  # log mark, or dynctl's stop
@@ -197,16 +185,7 @@ def build_snapshot(item: dict[str, Any], host: str, prev: HostSnapshot | None = 
 
     running = _first(live[0], metrics.running_reqs, decode.running_reqs if decode else None) if up else None
     queue = _first(live[1], metrics.queue_reqs, decode.queue_reqs if decode else None) if up else None
-    gpus_part = item.get("gpus") or {}
-    gpus: tuple[GpuStat, ...] = ()
-    gpu_error = None
-    if gpus_part.get("ok"):
-        try:
-            gpus = tuple(parse_gpu_csv(gpus_part.get("csv", "")))
-        except MetricsFormatError as err:
-            gpu_error = str(err)
-    elif gpus_part:
-        gpu_error = gpus_part.get("error")
+    gpus, gpu_error = _read_gpus(item.get("gpus") or {})
 
     lock = item.get("lock") or None
     operation = None
@@ -263,6 +242,34 @@ def build_snapshot(item: dict[str, Any], host: str, prev: HostSnapshot | None = 
         drain_pid=drain_pid,
         process_started=started,
     )
+
+
+def _read_marks(marks: Any, t: float, offset: float | None, pid: int | None, started: float | None,
+                drain_pid: int | None, spec_warning: str | None) -> tuple[list[Switch], int | None, str | None]:
+    """Switches, the pid seen draining, and the threshold warning, from the log lines the agent kept."""
+    def this_run(when: float | None) -> bool:  # not a line of an earlier server run still in the log
+        return when is None or started is None or when >= started - 2
+
+    switches: list[Switch] = []
+    for mark in marks:
+        tr = parse_transition_line(mark, offset)
+        warning = None if tr is not None else parse_threshold_warning(mark, offset)
+        if tr is not None:
+            switches.append(Switch(_first(tr.time, t), tr.enabled, tr.batch_size, tr.threshold))
+        elif warning is not None and this_run(warning[0]):
+            spec_warning = warning[1]
+        elif _DRAIN_MARK in mark and pid is not None and this_run(split_log_prefix(mark, offset).time):
+            drain_pid = pid
+    return switches, drain_pid, spec_warning
+
+
+def _read_gpus(part: dict[str, Any]) -> tuple[tuple[GpuStat, ...], str | None]:
+    if part.get("ok"):
+        try:
+            return tuple(parse_gpu_csv(part.get("csv", ""))), None
+        except MetricsFormatError as err:
+            return (), str(err)
+    return (), part.get("error") if part else None
 
 
 def _live_loads(part: dict[str, Any] | None) -> tuple[int | None, int | None, float | None]:

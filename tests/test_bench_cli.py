@@ -186,3 +186,19 @@ def test_ctrl_c_mid_sweep_writes_what_was_measured_and_exits_130(server, tmp_pat
     assert doc["runs"][0]["levels"][0]["max_concurrency"] == 1
     assert server.threshold == 4  # put back even on Ctrl-C
     assert not [p for p in agents if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_core_run_stops_when_asked_and_restores(server, tmp_path):
+    """The TUI's stop key: should_stop() ends the run after the current level, threshold put back."""
+    from dynctl.bench import BenchInterrupted, BenchPlan, LevelDone, Mode, ThresholdRestored, run_bench
+    from test_bench_server import local_agent
+
+    events: list = []
+    plan = BenchPlan(concurrency=(1, 2, 4), num_prompts=3, input_len=4, output_len=3,
+                     modes=(Mode.no_spec(), Mode.always_spec()), compare=True)
+    with pytest.raises(BenchInterrupted) as info:
+        run_bench(local_agent(server.port), "tiny", plan, events.append,
+                  should_stop=lambda: any(isinstance(e, LevelDone) for e in events))
+    result = info.value.result
+    assert result.interrupted and result.levels_measured == 1 and result.runs[0].levels[0]["completed"] == 3
+    assert server.threshold == 4 and isinstance(events[-1], ThresholdRestored)

@@ -14,7 +14,9 @@ from typing import Any
 import psutil
 import pytest
 
+from dynctl.agent import AgentClient
 from dynctl.config import HostConfig
+from dynctl.transport.local import Local
 from dynctl.feed import LiveFeed
 from dynctl.snapshot import HostHistory, HostSnapshot
 from watch_server import SglangLikeServer
@@ -78,6 +80,8 @@ def make_feed(tmp_path: Path, port: int, rec: Recorder, **kw: Any) -> tuple[Live
     workdir.mkdir(exist_ok=True)
     (workdir / "server.pid").write_text(str(os.getpid()))
     host = HostConfig(name="box", python=kw.pop("python", sys.executable), workdir=str(workdir), port=port)
+    if host.python == sys.executable:  # see test_watch_agent.client: keep the upload race out of these tests
+        AgentClient(Local(), host).upload()
     kw.setdefault("backoff", (0.1, 0.2, 0.4))
     return LiveFeed([host], rec, interval=0.2, **kw), workdir
 

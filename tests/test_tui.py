@@ -347,3 +347,17 @@ def test_updates_of_the_same_host_replace_each_other() -> None:
     b = HostUpdated(HostSnapshot(host="b", time=1.0), None)  # type: ignore[arg-type]
     newer = HostUpdated(HostSnapshot(host="a", time=2.0), None)  # type: ignore[arg-type]
     assert newer.can_replace(a) and not newer.can_replace(b)
+
+
+def test_the_core_events_read_well_in_the_panel() -> None:
+    from dynctl import events
+    from dynctl.tui.actions import describe_event
+
+    assert describe_event(events.StepStarted("validate", "py_compile")) == ("info", "▶ validate — py_compile")
+    assert describe_event(events.StepDone("validate", 1.234)) == ("ok", "✔ validate (1.2 s)")
+    assert describe_event(events.LogLine("[x] compiling")) == ("log", "[x] compiling")
+    assert describe_event(events.Warning("tree drifted")) == ("warning", "⚠ tree drifted")
+    assert describe_event(events.Failed("health", "503 for 900 s")) == ("error", "✘ 503 for 900 s")
+    # the agent's operation events (op_follow) are dicts
+    assert describe_event({"type": "final", "final": True, "ok": False, "error": "rolled back"}) == ("error", "rolled back")
+    assert describe_event("plain text") == ("info", "plain text")

@@ -60,7 +60,11 @@ def workdir(tmp_path: Path) -> Path:
 
 def client(workdir: Path, port: int, env: dict[str, str] | None = None) -> AgentClient:
     host = HostConfig(name="box", python=sys.executable, workdir=str(workdir), port=port, env=env or {})
-    return AgentClient(Local(), host)
+    agent = AgentClient(Local(), host)
+    # Upload first: Local's open_stream can raise BrokenPipeError when the boot stub exits 97 (agent
+    # missing) before it reads the request (seen under CPU load; reported). These tests are about watch.
+    agent.upload()
+    return agent
 
 
 def append(path: Path, *lines: str) -> None:

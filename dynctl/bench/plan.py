@@ -11,6 +11,7 @@ from dynctl.errors import UsageError
 DEFAULT_CONCURRENCY = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 GOODPUT_METRICS = ("ttft", "tpot", "e2el")  # the SLO names of `vllm bench serve --goodput`
 MAX_CONCURRENCY = 4096
+DEFAULT_DURATION = 30.0  # seconds measured per level
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ class BenchPlan:
     concurrency: tuple[int, ...] = DEFAULT_CONCURRENCY
     input_len: int = 512
     output_len: int = 128
-    duration: float | None = 30.0
+    duration: float | None = None  # neither given: DEFAULT_DURATION
     num_prompts: int | None = None
     warmup: int | None = None  # None: one request per worker, so the window opens on a full batch
     goodput: dict[str, float] = field(default_factory=dict)
@@ -51,6 +52,8 @@ class BenchPlan:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if self.duration is None and self.num_prompts is None:
+            object.__setattr__(self, "duration", DEFAULT_DURATION)
         if (self.duration is None) == (self.num_prompts is None):
             raise UsageError("give either --duration or --num-prompts, not both")
         if self.duration is not None and not (self.duration > 0 and math.isfinite(self.duration)):

@@ -52,6 +52,10 @@ class BenchResult:
         return sum(len(r.levels) for r in self.runs)
 
 
+class _Stopped(Exception):
+    """should_stop() said so."""
+
+
 class BenchInterrupted(Exception):
     """Ctrl-C during the run; `result` holds the levels measured before it."""
 
@@ -61,16 +65,24 @@ class BenchInterrupted(Exception):
 
 
 def run_bench(agent: AgentClient, host: str, plan: BenchPlan, on_event: Callable[[BenchEvent], None],
-              *, simulated: bool = False, redeployer: Redeployer | None = None) -> BenchResult:
+              *, simulated: bool = False, redeployer: Redeployer | None = None,
+              should_stop: Callable[[], bool] | None = None) -> BenchResult:
     """Measure every mode × level of `plan`; the server's threshold is put back as found, even on Ctrl-C.
 
-    Errors keep what was measured in `err.bench_result`; Ctrl-C raises BenchInterrupted with it.
+    Errors keep what was measured in `err.bench_result`. Ctrl-C, or `should_stop()` turning true (checked
+    about once a second, for a UI's stop key), raises BenchInterrupted with the levels measured so far.
     """
     result = BenchResult(host=host, simulated=simulated, plan=plan,
                          started=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
+
+    def emit(event: BenchEvent) -> None:
+        on_event(event)
+        if should_stop is not None and should_stop():
+            raise _Stopped
+
     try:
-        _run(agent, host, plan, on_event, result, redeployer or NoRedeploy(host))
-    except KeyboardInterrupt:
+        _run(agent, host, plan, emit, result, redeployer or NoRedeploy(host))
+    except (KeyboardInterrupt, _Stopped):
         result.interrupted = True
         raise BenchInterrupted(result) from None
     except DynctlError as err:
@@ -112,11 +124,23 @@ def _run(agent: AgentClient, host: str, plan: BenchPlan, on_event: Callable[[Ben
                 _warn_about(level, host, on_event)
                 on_event(LevelDone(mode, level))
     finally:
-        restored = switcher.restore() if switcher.changed else None
-        if restored is not None:
-            on_event(ThresholdRestored(restored))
+        _restore(switcher, host, on_event)
     if plan.compare:
         result.recommendation = recommend(result.runs)
+
+
+def _restore(switcher: ModeSwitcher, host: str, on_event: Callable[[BenchEvent], None]) -> None:
+    """Put the threshold back; a failure here must not hide the error that ended the run."""
+    if not switcher.changed:
+        return
+    try:
+        restored = switcher.restore()
+    except DynctlError as err:
+        on_event(BenchWarning(f"{host}: could not put threshold {switcher.original} back: {err}; "
+                              f"run `dynctl threshold {switcher.original} --host {host}`"))
+        return
+    if restored is not None:
+        on_event(ThresholdRestored(restored))
 
 
 def _measure_level(agent: AgentClient, host: str, plan: BenchPlan, mode: Mode, concurrency: int,

@@ -67,7 +67,7 @@ def bench(
         concurrency=parse_concurrency(concurrency),
         input_len=input_len,
         output_len=output_len,
-        duration=duration if duration is not None or num_prompts is not None else 30.0,
+        duration=duration,
         num_prompts=num_prompts,
         warmup=warmup,
         goodput=parse_goodput([*goodput, *goodput_items]),

@@ -10,6 +10,7 @@ from rich.markup import escape
 from dynctl import demo as core
 from dynctl.cli.common import ConfigOpt, console, handle_errors
 from dynctl.cli.lifecycle import EventPrinter
+from dynctl.errors import UsageError
 
 
 def register(app: typer.Typer) -> None:
@@ -37,14 +38,24 @@ def demo(
         console.print(f"The demo server keeps running: try `dynctl status --host {core.DEMO_HOST}`, "
                       f"`dynctl tui --host {core.DEMO_HOST}`; `dynctl stop --host {core.DEMO_HOST} --yes` ends it.")
         return
-    from dynctl.tui.demo import run_demo_tui
+    import sys
 
+    from dynctl.cli.tui import run_dashboard
+
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        raise UsageError("the demo opens the TUI, which needs a terminal; use `dynctl demo --no-tui`")
     core.deploy_threshold(host, threshold, printer)
     stop = threading.Event()
-    ramp = threading.Thread(target=lambda: [None for _ in core.load_ramp(host.agent, seconds=level_seconds, stop=stop)],
-                            name="demo-load-ramp", daemon=True)
+
+    def ramp_until_quit() -> None:
+        while not stop.is_set():  # 1 → 64 → 1, again and again, while the TUI is open
+            for _ in core.load_ramp(host.agent, seconds=level_seconds, stop=stop):
+                pass
+
+    ramp = threading.Thread(target=ramp_until_quit, name="demo-load-ramp", daemon=True)
     ramp.start()
     try:
-        run_demo_tui(host.config, host.host)
+        run_dashboard(host.config, [host.host])
     finally:
         stop.set()
+    console.print(f"The demo server keeps running: `dynctl stop --host {core.DEMO_HOST} --yes` ends it.")

@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from dynctl.cli.common import ConfigOpt, handle_errors
-from dynctl.config import load_config
+from dynctl.config import Config, HostConfig, load_config
 from dynctl.errors import UsageError
 
 
@@ -33,12 +33,18 @@ def register(app: typer.Typer) -> None:
         if not (sys.stdin.isatty() and sys.stdout.isatty()):
             raise UsageError("dynctl tui needs a terminal; use `dynctl status --json` in scripts")
 
-        from dynctl.feed import LiveFeed
-        from dynctl.tui.app import create_app
+        run_dashboard(cfg, hosts, read_only=read_only, interval=interval)
 
-        dashboard = create_app(
-            [h.name for h in hosts],
-            lambda on_update: LiveFeed(hosts, on_update, config=cfg, interval=interval),
-            read_only=read_only,
-        )
-        dashboard.run()
+
+def run_dashboard(cfg: Config, hosts: list[HostConfig], read_only: bool = False, interval: float = 1.0) -> None:
+    from dynctl.feed import LiveFeed
+    from dynctl.host_actions import actions_for
+    from dynctl.tui.app import create_app
+
+    dashboard = create_app(
+        [h.name for h in hosts],
+        lambda on_update: LiveFeed(hosts, on_update, config=cfg, interval=interval),
+        actions=actions_for(cfg, hosts),
+        read_only=read_only,
+    )
+    dashboard.run()

@@ -2,26 +2,34 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 from collections.abc import Iterator, Sequence
 
-from dynctl.errors import CommandTimeout
+from dynctl.errors import CommandTimeout, PreflightError
 from dynctl.transport.base import Result
 
 
 class LocalStream:
     def __init__(self, argv: Sequence[str], stdin: bytes | None) -> None:
-        self._proc = subprocess.Popen(
-            list(argv),
-            stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+        try:
+            self._proc = subprocess.Popen(
+                list(argv),
+                stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        except FileNotFoundError as err:
+            raise PreflightError(f"{argv[0]}: command not found on this machine ({err.strerror})") from None
         if stdin is not None:
             assert self._proc.stdin is not None
-            self._proc.stdin.write(stdin)
-            self._proc.stdin.close()
+            # a command may exit before reading its input (the agent's boot stub asking for an upload):
+            # its exit status says what happened, not the broken pipe
+            with contextlib.suppress(BrokenPipeError):
+                self._proc.stdin.write(stdin)
+            with contextlib.suppress(BrokenPipeError):
+                self._proc.stdin.close()
 
     def lines(self) -> Iterator[bytes]:
         assert self._proc.stdout is not None

@@ -89,7 +89,7 @@ def describe_event(event: Any) -> tuple[str, str]:
         detail = data.get("detail")
         return "info", f"▶ {step}" + (f" — {detail}" if detail else "")
     if "done" in lowered and step:
-        seconds = data.get("seconds")
+        seconds = data.get("seconds", data.get("elapsed"))
         return "ok", f"✔ {step}" + (f" ({seconds:.1f} s)" if isinstance(seconds, (int, float)) else "")
     if "warn" in lowered:
         return "warning", f"⚠ {text or step or ''}".rstrip()

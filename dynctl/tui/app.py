@@ -147,9 +147,13 @@ class Dashboard(Screen):
     def action_previous_host(self) -> None:
         self.app.action_switch_host(-1)  # type: ignore[attr-defined]
 
+    def show_tail(self, which: str) -> None:
+        """"log" or "actions" in the bottom right; on a narrow screen the actions take the GPUs' place too."""
+        self.query_one(ContentSwitcher).current = which
+        self.set_class(which == "actions", "-actions")
+
     def action_toggle_log(self) -> None:
-        switcher = self.query_one(ContentSwitcher)
-        switcher.current = "actions" if switcher.current == "log" else "log"
+        self.show_tail("actions" if self.query_one(ContentSwitcher).current == "log" else "log")
 
     async def action_quit(self) -> None:
         await self.app.action_quit()
@@ -312,7 +316,7 @@ class DynctlApp(App[int]):
 
     def start_action(self, host: str, name: str, call: Callable[[HostActions, OnEvent], Any], detail: str = "") -> None:
         self.running[host] = name
-        self.dashboard.query_one(ContentSwitcher).current = "actions"
+        self.dashboard.show_tail("actions")
         self.dashboard.query_one(ActionLog).add(host, "info", f"▶ {name} {detail}".rstrip())
         self._run_action(host, name, call)
 

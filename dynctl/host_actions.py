@@ -1,0 +1,74 @@
+"""The TUI's keys wired to the core: the same deploy, rollback, lifecycle and bench the CLI runs (UI-free)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dynctl import deploy as core
+from dynctl import lifecycle
+from dynctl.agent import AgentClient
+from dynctl.config import Config, HostConfig
+from dynctl.transport import connect
+
+OnEvent = Any
+
+
+class CoreActions:
+    """HostActions (dynctl.tui.actions) for one configured host."""
+
+    def __init__(self, config: Config, host: HostConfig, grace: float = 60.0, ready_timeout: float = 900.0) -> None:
+        self.config = config
+        self.host = host
+        self.grace = grace
+        self.ready_timeout = ready_timeout
+
+    def _agent(self) -> AgentClient:
+        return AgentClient(connect(self.host, self.config), self.host)
+
+    def deploy(self, threshold: int, on_event: OnEvent) -> Any:
+        agent = self._agent()
+        plan = core.plan_deploy(agent, self.host, threshold)
+        if plan.noop:
+            on_event({"type": "final", "final": True, "ok": True, "text": plan.noop})
+            return {"noop": plan.noop}
+        for warning in plan.warnings:
+            on_event({"type": "warning", "text": warning})
+        return core.deploy(agent, plan, on_event, grace=self.grace, ready_timeout=self.ready_timeout)
+
+    def rollback(self, on_event: OnEvent) -> Any:
+        return core.rollback(self._agent(), self.host, None, on_event, grace=self.grace,
+                             ready_timeout=self.ready_timeout)
+
+    def set_threshold(self, n: int) -> int:
+        return core.set_threshold(self._agent(), n)["in_force"]
+
+    def stop(self, on_event: OnEvent) -> Any:
+        return lifecycle.stop_server(self._agent(), self.grace, on_event=on_event)
+
+    def start(self, on_event: OnEvent) -> Any:
+        agent = self._agent()
+        lifecycle.start_server(agent, lifecycle.server_argv(self.host), on_event=on_event)
+        return lifecycle.wait_ready(agent, self.ready_timeout, on_event=on_event)
+
+    def restart(self, on_event: OnEvent) -> Any:
+        return lifecycle.restart_server(self._agent(), grace=self.grace, ready_timeout=self.ready_timeout,
+                                        on_event=on_event)
+
+    def bench(self, on_event: OnEvent) -> Any:
+        """A short sweep of the deployed mode (1..64 streams, 10 s a level); `dynctl bench` has the options."""
+        from dynctl.bench.plan import BenchPlan
+        from dynctl.bench.runner import run_bench
+
+        plan = BenchPlan(concurrency=(1, 2, 4, 8, 16, 32, 64), duration=10.0, input_len=256, output_len=128)
+        result = run_bench(self._agent(), self.host.name, plan, on_event, simulated=self.host.simulated)
+        return result
+
+
+def actions_for(config: Config, hosts: list[HostConfig]):
+    """The ActionsFactory the TUI takes: host name → CoreActions."""
+    by_name = {h.name: h for h in hosts}
+
+    def factory(name: str) -> CoreActions:
+        return CoreActions(config, by_name[name])
+
+    return factory
