@@ -166,8 +166,8 @@ def test_a_hung_server_never_blocks_the_stream(server: SglangLikeServer, workdir
         arrivals.append(time.monotonic() - t0)
         assert item["metrics"] == {"ok": False, "error": "timed out"}
     assert len(arrivals) == 4
-    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
-    assert max(gaps) < 0.6, gaps  # each sample is cut at the interval, however slow the server
+    # blocked on the server, four samples would take 4 x 3 s; cut at the interval, about 4 x 0.3 s
+    assert arrivals[-1] < 6.0, arrivals
 
 
 def test_log_truncation_and_floods(server: SglangLikeServer, workdir: Path) -> None:
