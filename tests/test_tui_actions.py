@@ -1,0 +1,78 @@
+"""The dashboard's keys drive the real core: live threshold and restart against a demo host."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from textual.widgets import Input
+
+from dynctl.config import load_config
+from dynctl.feed import LiveFeed
+from dynctl.host_actions import actions_for
+from dynctl.sim.hostsetup import prepare_demo_host
+from dynctl.transport import close_all
+from dynctl.tui.app import create_app
+from dynctl.tui.widgets import ActionLog
+from sglang_trees import sglang_wheel
+from sshd_harness import free_port, toml_value
+
+
+def dynctl(*args: str, config: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dynctl", *args, "--config", str(config)],
+                          capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=300)
+
+
+@pytest.fixture
+def deployed(tmp_path: Path):
+    entry = prepare_demo_host(tmp_path / "demo", port=free_port(), cache_dir=sglang_wheel("0.5.9").parent,
+                              time_scale=20)
+    config = tmp_path / "dynctl.toml"
+    config.write_text("[hosts.demo]\n" + "".join(f"{k} = {toml_value(v)}\n" for k, v in entry.items()))
+    out = dynctl("deploy", "--threshold", "5", "--yes", config=config)
+    assert out.returncode == 0, out.stdout + out.stderr
+    try:
+        yield config
+    finally:
+        close_all()
+        dynctl("stop", "--yes", "--grace", "5", config=config)
+
+
+def server_state(config: Path) -> tuple[int | None, int | None]:
+    from dynctl.cli.common import open_host
+
+    s = open_host("demo", str(config))
+    info = s.agent.call("server_info")["info"] or {}
+    pid = s.agent.call("server_find").get("pid")
+    return pid, (info.get("internal_states") or [{}])[0].get("speculative_disable_batch_threshold")
+
+
+def lines(log: ActionLog) -> list[str]:
+    return [strip.text.rstrip() for strip in log.lines]
+
+
+@pytest.mark.asyncio
+async def test_keys_change_the_threshold_and_restart_the_server(deployed: Path) -> None:
+    cfg = load_config(deployed)
+    hosts = [cfg.host("demo")]
+    app = create_app(["demo"], lambda on_update: LiveFeed(hosts, on_update, config=cfg, interval=0.5),
+                     actions=actions_for(cfg, hosts))
+    pid_before, _ = server_state(deployed)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("t")
+        app.screen.query_one(Input).value = "9"
+        await pilot.press("enter")
+        await app.workers.wait_for_complete()
+        await pilot.pause()
+        assert "threshold in force: 9" in lines(app.dashboard.query_one(ActionLog))[-1]
+        assert server_state(deployed)[1] == 9
+
+        await pilot.press("R", "y")
+        await app.workers.wait_for_complete()
+        await pilot.pause()
+        assert "restart done" in lines(app.dashboard.query_one(ActionLog))[-1]
+    pid_after, threshold = server_state(deployed)
+    assert pid_after not in (None, pid_before)
+    assert threshold == 5  # a restart runs the release's recorded argv again: the deployed threshold
