@@ -178,6 +178,18 @@ def host_lock(ctx, operation):
                 os.unlink(path)
 
 
+@contextlib.contextmanager
+def hangup_shield():
+    """A dropped SSH channel must not interrupt a transaction half way: SIGHUP is ignored meanwhile."""
+    import signal
+
+    old = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGHUP, old)
+
+
 def _read_json(path):
     try:
         with open(path) as f:
@@ -2317,16 +2329,6 @@ def _lc_no_extra(name, extra):
         raise AgentError("%s: unknown parameter(s) %s" % (name, ", ".join(sorted(extra))), "usage")
 
 
-@contextlib.contextmanager
-def _lc_hangup_shield():
-    """A dropped SSH channel must not interrupt a stop or start half way (SIGHUP ignored meanwhile)."""
-    old = signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGHUP, old)
-
-
 @verb("server_find")
 def verb_server_find(ctx, **extra):
     _lc_no_extra("server_find", extra)
@@ -2336,14 +2338,14 @@ def verb_server_find(ctx, **extra):
 @verb("server_stop")
 def verb_server_stop(ctx, grace=60, port_timeout=30, gpu_timeout=60, **extra):
     _lc_no_extra("server_stop", extra)
-    with host_lock(ctx, "stop"), _lc_hangup_shield():
+    with host_lock(ctx, "stop"), hangup_shield():
         return stop_server(ctx, float(grace), float(port_timeout), float(gpu_timeout))
 
 
 @verb("server_start")
 def verb_server_start(ctx, argv=None, env=None, release=None, **extra):
     _lc_no_extra("server_start", extra)
-    with host_lock(ctx, "start"), _lc_hangup_shield():
+    with host_lock(ctx, "start"), hangup_shield():
         return start_server(ctx, argv, env, release)
 
 
@@ -2368,7 +2370,7 @@ def verb_server_restart(ctx, argv=None, env=None, release=None, grace=60, ready_
     """stop → start → wait_ready in one agent process, so a dropped connection cannot leave it between."""
     _lc_no_extra("server_restart", extra)
     with host_lock(ctx, "restart"):
-        with _lc_hangup_shield():
+        with hangup_shield():
             if argv is None:  # the last start, as recorded (the pidfile is 0600: env values may be secret)
                 rec = _lc_pidfile(ctx) or {}
                 argv = rec.get("argv")
@@ -2933,20 +2935,10 @@ def revert_release(ctx, release=None):
     return {"release": release, "reverted": True, "already": False, "current": current, "files": restored}
 
 
-@contextlib.contextmanager
-def _pt_no_hangup():
-    """A dropped SSH channel must not stop a swap or a restore half way."""
-    old = signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGHUP, old)
-
-
 @verb("patch_apply")
 def patch_apply(ctx, files, sglang_version, strategy="patch", threshold=None, launch_argv=None, artifacts=None,
                 import_check_timeout=300.0, **_):
-    with host_lock(ctx, "patch apply"), _pt_no_hangup():
+    with host_lock(ctx, "patch apply"), hangup_shield():
         return apply_release(ctx, files, sglang_version, strategy, threshold, launch_argv, artifacts,
                              float(import_check_timeout))
 
@@ -2954,7 +2946,7 @@ def patch_apply(ctx, files, sglang_version, strategy="patch", threshold=None, la
 @verb("patch_revert")
 def patch_revert(ctx, release=None, all=False, **_):
     """Revert the release in force (or `release`); all=True reverts every applied release, newest first."""
-    with host_lock(ctx, "patch revert"), _pt_no_hangup():
+    with host_lock(ctx, "patch revert"), hangup_shield():
         if not all:
             return {"reverted": [revert_release(ctx, release)], "current": _pt_current(ctx)}
         done = []

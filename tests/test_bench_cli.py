@@ -19,8 +19,11 @@ from typer.testing import CliRunner
 from dynctl.cli import bench as bench_cli
 from test_bench_server import TokenServer
 
+# A terminal's foreground process gets SIGINT as KeyboardInterrupt; a test runner started in the background
+# (nohup, `&`) hands its children SIGINT ignored, so the launcher puts Python's own handler back.
 LAUNCHER = (
-    "import sys, typer\n"
+    "import signal, sys, typer\n"
+    "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
     "from dynctl.cli import bench\n"
     "app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)\n"
     "@app.callback()\n"
