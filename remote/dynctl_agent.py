@@ -162,6 +162,7 @@ def host_lock(ctx, operation):
                     holder=holder,
                 )
             journal(ctx, "lock.takeover", previous=holder)
+            me["took_over"] = holder  # the caller warns: an operation died holding the host
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
             continue
@@ -456,6 +457,11 @@ def op_start(ctx, kind, params=None, **_):
                         "env": ctx.env, "launch": ctx.launch, "args": ctx.args}}
     _replace_json(ctx.path("ops", op_id + ".json"), request)
     with host_lock(ctx, kind) as holder:
+        if holder.get("took_over"):
+            dead = holder.pop("took_over")
+            request["warning"] = ("took over the host lock of a %s by %s (pid %s) since %s, whose process is gone"
+                                  % (dead.get("operation"), dead.get("who"), dead.get("pid"), dead.get("started")))
+            _replace_json(ctx.path("ops", op_id + ".json"), request)
         worker = _spawn_detached([sys.executable, os.path.abspath(__file__), "--op", ctx.path("ops", op_id + ".json")],
                                  ctx.path("ops", op_id + ".log"), ctx.workdir)
         holder.update({"pid": worker, "pid_start": _wait_start_time(worker), "op": op_id})
@@ -584,6 +590,8 @@ def run_operation(request_path):
     ctx = Context(request["host"], request.get("client"))
     oplog = OpLog(ctx, request["id"], request["kind"])
     oplog.emit("started", kind=request["kind"], pid=os.getpid())
+    if request.get("warning"):
+        oplog.warn(request["warning"])
     try:
         result = OPS[request["kind"]](ctx, oplog, **(request.get("params") or {}))
         final = {"ok": True}

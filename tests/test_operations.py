@@ -1,0 +1,92 @@
+"""Host operations on a local demo host: a dead holder's lock, the journal, and a worker killed mid-deploy."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dynctl import deploy as core
+from dynctl import events
+from dynctl.cli.common import open_host
+from dynctl.sim.hostsetup import prepare_demo_host
+from dynctl.transport import close_all
+from sglang_trees import sglang_wheel
+from sshd_harness import free_port, toml_value
+
+
+@pytest.fixture
+def local_demo(tmp_path: Path):
+    entry = prepare_demo_host(tmp_path / "demo", port=free_port(), cache_dir=sglang_wheel("0.5.9").parent,
+                              time_scale=20)
+    config = tmp_path / "dynctl.toml"
+    config.write_text("[hosts.demo]\n" + "".join(f"{k} = {toml_value(v)}\n" for k, v in entry.items()))
+    session = open_host("demo", str(config))
+    try:
+        yield session
+    finally:
+        close_all()
+        subprocess.run([sys.executable, "-m", "dynctl", "stop", "--yes", "--grace", "5", "--config", str(config)],
+                       capture_output=True, stdin=subprocess.DEVNULL, timeout=120)
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_a_dead_holders_lock_is_taken_over_with_a_warning(local_demo):
+    workdir = Path(local_demo.host.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "lock").write_text(json.dumps({"operation": "deploy", "who": "alice", "pid": dead_pid(),
+                                              "pid_start": 1, "started": "2026-11-29T00:00:00Z"}))
+    seen: list[events.Event] = []
+    plan = core.plan_deploy(local_demo.agent, local_demo.host, 5)
+    result = core.deploy(local_demo.agent, plan, seen.append, ready_timeout=60)
+    assert result["threshold_in_force"] == 5
+    warnings = [e.text for e in seen if isinstance(e, events.Warning)]
+    assert any("took over the host lock of a deploy by alice" in w for w in warnings)
+    assert not (workdir / "lock").exists()
+
+    journal = workdir / "journal.jsonl"
+    assert journal.stat().st_mode & 0o777 == 0o600
+    kinds = [json.loads(line)["event"] for line in journal.read_text().splitlines()]
+    assert "lock.takeover" in kinds
+    for step in ("deploy.step_started", "deploy.step_done", "deploy.final"):
+        assert step in kinds
+
+
+def test_a_worker_killed_mid_switch_is_undone_by_the_next_deploy(local_demo):
+    """kill -9 of the host-side worker right after the swap: the next deploy reverts, then deploys."""
+    agent, host = local_demo.agent, local_demo.host
+    pristine = {p: (Path(host.env["PYTHONPATH"]) / "sglang" / p).read_bytes()
+                for p in ("srt/server_args.py", "srt/managers/scheduler.py")}
+    plan = core.plan_deploy(agent, host, 5)
+    # kill the worker as soon as it reports the stop step, i.e. after the files were switched
+    killed = {}
+
+    def on_event(e: events.Event) -> None:
+        if isinstance(e, events.StepStarted) and e.step == "stop" and not killed:
+            holder = agent.call("op_current")["holder"]
+            os.kill(holder["pid"], signal.SIGKILL)
+            killed["pid"] = holder["pid"]
+
+    with pytest.raises(Exception) as info:
+        core.deploy(agent, plan, on_event, ready_timeout=60)
+    assert killed and "died without finishing" in str(info.value)
+    assert agent.call("op_current")["holder"] is None  # a dead worker holds nothing
+    releases = core.list_releases(agent)
+    assert releases[0]["state"] == "applied"  # switched before the kill, never verified
+
+    again = core.deploy(agent, core.plan_deploy(agent, host, 5), ready_timeout=60)
+    assert again["threshold_in_force"] == 5
+    back = core.rollback(agent, host, to="baseline")
+    assert back["target"] == "baseline"
+    for path, data in pristine.items():
+        assert (Path(host.env["PYTHONPATH"]) / "sglang" / path).read_bytes() == data
