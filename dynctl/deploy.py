@@ -16,6 +16,7 @@ from dynctl.patching.host import patch_state_from, plan_for_apply, read_patch_st
 from dynctl.patching.recipe import target_files
 
 THRESHOLD_FLAG = "--speculative-disable-batch-threshold"
+BASELINE = "baseline"  # the rollback target that means: no release, the configured launch argv
 ADAPTIVE_CONFIG = "adaptive.json"
 
 

@@ -10,6 +10,8 @@ import json
 from pathlib import Path
 
 import pytest
+from test_bench_cli import make_app, write_config
+from test_sim_harness import SPEC_ARGS, Sim, patched_site_059  # noqa: F401 - fixture
 from typer.testing import CliRunner
 
 from dynctl.sim.costmodel import (
@@ -21,8 +23,6 @@ from dynctl.sim.costmodel import (
     Hardware,
     steady_throughput,
 )
-from test_bench_cli import make_app, write_config
-from test_sim_harness import SPEC_ARGS, Sim, patched_site_059  # noqa: F401 - fixture
 
 TIME_SCALE = 10.0
 
@@ -34,7 +34,7 @@ def start(site: Path, workdir: Path, *extra: str) -> Sim:
 
 
 @pytest.fixture(scope="module")
-def plain_sim(patched_site_059, tmp_path_factory):
+def plain_sim(patched_site_059, tmp_path_factory):  # noqa: F811 - the fixture
     sim = start(patched_site_059, tmp_path_factory.mktemp("plain"))
     try:
         yield sim
@@ -43,7 +43,7 @@ def plain_sim(patched_site_059, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def eagle_sim(patched_site_059, tmp_path_factory):
+def eagle_sim(patched_site_059, tmp_path_factory):  # noqa: F811 - the fixture
     sim = start(patched_site_059, tmp_path_factory.mktemp("eagle"), *SPEC_ARGS,
                 "--speculative-disable-batch-threshold", "5")
     try:

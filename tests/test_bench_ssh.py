@@ -9,12 +9,12 @@ import time
 
 import psutil
 import pytest
+from test_bench_cli import make_app
+from test_bench_server import TokenServer
 from typer.testing import CliRunner
 
 from dynctl.agent import AgentClient
 from dynctl.config import HostConfig
-from test_bench_cli import make_app
-from test_bench_server import TokenServer
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import pytest
 from dynctl.bench.chart import chart_series, crossover_x, terminal_chart, write_png
 from dynctl.bench.plan import BenchPlan, Mode, parse_concurrency, parse_goodput, plan_modes
 from dynctl.bench.recommend import recommend
-from dynctl.bench.report import comparison_rows, level_cells, level_headers, result_document, write_json
+from dynctl.bench.report import comparison_rows, level_cells, level_headers, write_json
 from dynctl.bench.runner import BenchResult, ModeRun
 from dynctl.bench.stats import counter_delta, describe, percentile, summarize_level, summarize_server
 from dynctl.errors import UsageError

@@ -29,6 +29,41 @@ class NoRedeploy:
         )
 
 
+class DeployRedeployer:
+    """Switches modes where the threshold cannot change live: a full `dynctl deploy` of each threshold."""
+
+    def __init__(self, agent: AgentClient, host: Any, confirm: Any = None, on_event: Any = None) -> None:
+        self.agent = agent
+        self.host = host
+        self.confirm = confirm  # asked once, before the first restart
+        self.on_event = on_event
+        self.start_release: str | None = None  # what ran before the first redeploy, to go back to
+
+    def restore(self) -> int | None:
+        """Roll the host back to the release that was in force before the bench; the threshold read back."""
+        from dynctl import deploy, events
+
+        if self.start_release is None:
+            return None
+        deploy.rollback(self.agent, self.host, to=self.start_release, on_event=self.on_event or events.ignore)
+        info = self.agent.call("server_info")["info"] or {}
+        return (info.get("internal_states") or [{}])[0].get("speculative_disable_batch_threshold")
+
+    def redeploy(self, threshold: int) -> int:
+        from dynctl import deploy, events
+
+        if self.confirm is not None:
+            self.confirm()
+            self.confirm = None
+        if self.start_release is None:
+            self.start_release = self.agent.call("releases")["current"] or deploy.BASELINE
+        plan = deploy.plan_deploy(self.agent, self.host, threshold)
+        if plan.noop:
+            return threshold
+        result = deploy.deploy(self.agent, plan, self.on_event or events.ignore)
+        return int(result["threshold_in_force"])
+
+
 class ModeSwitcher:
     """Sets modes on one server and remembers what to restore."""
 
@@ -64,7 +99,13 @@ class ModeSwitcher:
 
     def restore(self) -> int | None:
         """Put back the threshold found at the start; None when nothing had changed."""
-        if not self.changed or self.original is None:
+        if not self.changed:
+            return None
+        back = getattr(self.redeployer, "restore", None)
+        if not self.probe.get("threshold_live") and back is not None:
+            self.changed = False
+            return back()  # the release that ran before the bench, whatever its threshold
+        if self.original is None:
             return None
         if self.probe.get("threshold_live"):
             in_force = self._set(int(self.original))

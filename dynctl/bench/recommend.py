@@ -52,7 +52,8 @@ def recommend(runs: Sequence[_Run]) -> dict[str, Any] | None:
     if first_loss is None:
         notes.append(f"speculation was faster at every measured level; no crossover up to concurrency {levels[-1]}")
     elif threshold == 0:
-        notes.append(f"speculation was slower already at concurrency {levels[0]}: threshold 0 turns it off")
+        notes.append(f"speculation did not beat no-spec by more than {MIN_GAIN_PCT:g} % even at concurrency "
+                     f"{levels[0]}: threshold 0 keeps it off")
     later_wins = [c for c in levels if first_loss is not None and c > first_loss
                   and on[c] > off[c] * (1 + MIN_GAIN_PCT / 100)]
     if later_wins:

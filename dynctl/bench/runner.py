@@ -73,7 +73,7 @@ def run_bench(agent: AgentClient, host: str, plan: BenchPlan, on_event: Callable
     about once a second, for a UI's stop key), raises BenchInterrupted with the levels measured so far.
     """
     result = BenchResult(host=host, simulated=simulated, plan=plan,
-                         started=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
+                         started=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"))
 
     def emit(event: BenchEvent) -> None:
         on_event(event)

@@ -28,9 +28,19 @@ from dynctl.bench import (
     plan_modes,
     run_bench,
 )
+from dynctl.bench.modes import DeployRedeployer
 from dynctl.bench.chart import chart_series, crossover_x, terminal_chart, write_png
 from dynctl.bench.report import comparison_rows, level_cells, level_headers, write_json
-from dynctl.cli.common import ConfigOpt, HostOpt, console, err_console, handle_errors, open_host
+from dynctl.cli.common import (
+    ConfigOpt,
+    HostOpt,
+    YesOpt,
+    confirm,
+    console,
+    err_console,
+    handle_errors,
+    open_host,
+)
 from dynctl.errors import DynctlError, UsageError
 
 EXIT_INTERRUPTED = 130
@@ -50,16 +60,22 @@ def bench(
     input_len: int = typer.Option(512, "--input-len", help="Prompt tokens per request (random token ids)."),
     output_len: int = typer.Option(128, "--output-len", help="Generated tokens per request (ignore_eos)."),
     duration: float = typer.Option(None, "--duration", help="Seconds measured per level (default 30)."),
-    num_prompts: int = typer.Option(None, "--num-prompts", help="Requests measured per level (instead of --duration)."),
-    warmup: int = typer.Option(None, "--warmup", help="Warm-up requests per level, not measured (default: one per worker)."),
-    compare: bool = typer.Option(False, "--compare", help="Sweep no-spec, always-spec and each --threshold; recommend a threshold."),
-    threshold: list[str] = typer.Option([], "--threshold", help="Threshold mode(s) to sweep: --threshold 4 --threshold 8, or 4,8."),
-    goodput: list[str] = typer.Option([], "--goodput", help="SLOs in ms as vLLM: --goodput ttft:200 tpot:50 (e2el too)."),
+    num_prompts: int = typer.Option(None, "--num-prompts",
+                                    help="Requests measured per level (instead of --duration)."),
+    warmup: int = typer.Option(None, "--warmup",
+                               help="Warm-up requests per level, not measured (default: one per worker)."),
+    compare: bool = typer.Option(False, "--compare",
+                                 help="Sweep no-spec, always-spec and each --threshold; recommend a threshold."),
+    threshold: list[str] = typer.Option([], "--threshold",
+                                        help="Threshold mode(s) to sweep: --threshold 4 --threshold 8, or 4,8."),
+    goodput: list[str] = typer.Option([], "--goodput",
+                                      help="SLOs in ms as vLLM: --goodput ttft:200 tpot:50 (e2el too)."),
     extra: list[str] = typer.Argument(None, hidden=True, metavar="VALUES",
                                       help="More values of --goodput / --threshold, written vLLM-style."),
     json_path: str = typer.Option(None, "--json", help="Write the results as JSON (vLLM field names) to PATH."),
     png_path: str = typer.Option(None, "--png", help="Write a tok/s-vs-concurrency chart to PATH (PNG)."),
     chart: bool = typer.Option(True, "--chart/--no-chart", help="Draw the terminal chart at the end."),
+    yes: bool = YesOpt,
 ) -> None:
     """Closed-loop concurrency sweep against the server: tok/s, TTFT, TPOT, ITL, E2E, and the server's view."""
     goodput_items, threshold_items = _split_extra(extra or [], bool(goodput), bool(threshold))
@@ -79,7 +95,11 @@ def bench(
     try:
         with view.progress:
             result = run_bench(session.agent, session.host.name, plan, view.on_event,
-                               simulated=session.host.simulated)
+                               simulated=session.host.simulated,
+                               redeployer=DeployRedeployer(session.agent, session.host, confirm=lambda: confirm(
+                                   f"The threshold of {session.host.name} cannot change live: bench will redeploy "
+                                   f"its server for each mode (a restart each) and put the original back. Go on?",
+                                   yes)))
     except BenchInterrupted as stop:
         view.finish(stop.result, json_path, png_path, chart)
         err_console.print(f"[yellow]interrupted[/] after {stop.result.levels_measured} measured level(s)")

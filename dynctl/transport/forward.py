@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import select
+import selectors
 import socket
 import struct
 import threading
@@ -43,8 +43,7 @@ class LocalForwarder:
     def _accept_loop(self) -> None:
         while not self._stop.is_set():
             try:
-                ready, _, _ = select.select([self._listener], [], [], 0.25)
-                if not ready:
+                if not _readable([self._listener], 0.25):
                     continue
                 conn, _ = self._listener.accept()
             except OSError:
@@ -93,12 +92,20 @@ class LocalForwarder:
             t.join(2)
 
 
+def _readable(ends: list[Any], timeout: float) -> list[Any]:
+    """The ends with data (or EOF) waiting; selectors, unlike select.select, takes fds above 1024."""
+    with selectors.DefaultSelector() as sel:
+        for end in ends:
+            sel.register(end, selectors.EVENT_READ)
+        return [key.fileobj for key, _ in sel.select(timeout)]
+
+
 def _pump(conn: socket.socket, chan: Any, stop: threading.Event) -> None:
     """Copy both ways until both sides have finished sending (half-closes are passed on)."""
     conn_open, chan_open = True, True
     while (conn_open or chan_open) and not stop.is_set():
         watch = ([conn] if conn_open else []) + ([chan] if chan_open else [])
-        ready, _, _ = select.select(watch, [], [], 0.5)
+        ready = _readable(watch, 0.5)
         if conn in ready:
             data = _recv(conn)
             if data:
