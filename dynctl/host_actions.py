@@ -60,8 +60,29 @@ class CoreActions:
         from dynctl.bench.runner import run_bench
 
         plan = BenchPlan(concurrency=(1, 2, 4, 8, 16, 32, 64), duration=10.0, input_len=256, output_len=128)
-        result = run_bench(self._agent(), self.host.name, plan, on_event, simulated=self.host.simulated)
-        return result
+        return run_bench(self._agent(), self.host.name, plan, lambda e: _relay_bench(e, on_event),
+                         simulated=self.host.simulated)
+
+
+def _relay_bench(event: Any, on_event: OnEvent) -> None:
+    """Bench progress as one line per level for the actions panel (ticks are too many to show)."""
+    from dynctl.bench import events as bench
+
+    if isinstance(event, bench.LevelStarted):
+        on_event({"type": "step_started", "step": f"{event.mode.name} c={event.concurrency}",
+                  "detail": f"level {event.index}/{event.total}"})
+    elif isinstance(event, bench.LevelDone):
+        lvl, server = event.level, event.level.get("server") or {}
+        share = server.get("spec_on_share")
+        spec = "" if share is None else f", speculation {share:.0%} of steps"
+        on_event({"type": "info", "text": f"{event.mode.name} c={lvl['max_concurrency']}: "
+                                          f"{lvl['output_throughput']:.0f} tok/s, TTFT p50 "
+                                          f"{lvl.get('median_ttft_ms') or 0:.0f} ms, batch "
+                                          f"{server.get('mean_batch_size') or 0:.1f}{spec}"})
+    elif isinstance(event, bench.BenchWarning):
+        on_event({"type": "warning", "text": event.message})
+    elif isinstance(event, bench.ThresholdRestored):
+        on_event({"type": "info", "text": f"threshold {event.threshold} put back"})
 
 
 def actions_for(config: Config, hosts: list[HostConfig]):

@@ -76,3 +76,20 @@ async def test_keys_change_the_threshold_and_restart_the_server(deployed: Path) 
     pid_after, threshold = server_state(deployed)
     assert pid_after not in (None, pid_before)
     assert threshold == 5  # a restart runs the release's recorded argv again: the deployed threshold
+
+
+def test_bench_progress_reads_as_one_line_per_level() -> None:
+    from dynctl.bench.events import LevelDone, LevelProgress, LevelStarted
+    from dynctl.bench.plan import Mode
+    from dynctl.host_actions import _relay_bench
+    from dynctl.tui.actions import describe_event
+
+    out: list = []
+    _relay_bench(LevelStarted(Mode.no_spec(), 4, 2, 7), out.append)
+    _relay_bench(LevelProgress(Mode.no_spec(), 4, "measure", 1.0, 0.5, 3, 0, 4.0), out.append)
+    _relay_bench(LevelDone(Mode.no_spec(), {"max_concurrency": 4, "output_throughput": 512.3, "median_ttft_ms": 12.0,
+                                            "server": {"spec_on_share": 0.0, "mean_batch_size": 4.0}}), out.append)
+    assert [describe_event(e)[1] for e in out] == [
+        "▶ no-spec c=4 — level 2/7",
+        "no-spec c=4: 512 tok/s, TTFT p50 12 ms, batch 4.0, speculation 0% of steps",
+    ]
