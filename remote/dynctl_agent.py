@@ -13,18 +13,29 @@ connection never leaves half a change. psutil is used when the interpreter has i
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import datetime as _dt
+import errno
 import getpass
 import hashlib
+import http.client
 import json
 import os
+import random
 import re
+import resource
 import shutil
+import signal
 import socket
+import stat
 import subprocess
 import sys
+import threading
 import time
+import urllib.error
+import urllib.request
+import uuid
 
 PROTOCOL = 1
 
@@ -182,8 +193,6 @@ def host_lock(ctx, operation):
 @contextlib.contextmanager
 def hangup_shield():
     """A dropped SSH channel must not interrupt a transaction half way: SIGHUP is ignored meanwhile."""
-    import signal
-
     old = signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
         yield
@@ -623,11 +632,6 @@ def run_operation(request_path):
 # /v1/completions request when the previous one has ended. Raw timings go back to the client, which
 # computes the statistics (dynctl/bench/stats.py).
 
-import asyncio  # noqa: E402 - this section's own imports stay with it
-import random  # noqa: E402
-import resource  # noqa: E402
-import urllib.error  # noqa: E402
-import urllib.request  # noqa: E402
 
 _BENCH_GAUGES = {
     "sglang:num_running_reqs": "running",
@@ -1162,10 +1166,6 @@ async def _bench_make_level(args):
 # a slow host never piles up requests. Raw values only (Prometheus text, nvidia-smi CSV, log lines): the
 # client parses them with dynctl.metrics, the same code `dynctl status` uses.
 
-import signal  # noqa: E402  (sections are self-contained)
-import threading  # noqa: E402
-import urllib.error  # noqa: E402
-import urllib.request  # noqa: E402
 
 # Never route 127.0.0.1 through an http_proxy the host's environment may set.
 _WATCH_HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -1591,11 +1591,6 @@ def watch(ctx, interval=1.0, log_lines=50, gpus=True, max_items=None, info_every
 # a process by name. Every kill is of a (pid, start time) pair collected from that server, so a
 # recycled pid is never signalled. Zombies count as gone.
 
-import signal  # noqa: E402
-import threading  # noqa: E402
-import http.client  # noqa: E402
-import uuid  # noqa: E402
-import errno  # noqa: E402
 
 SERVER_PIDFILE = "server.json"
 SERVER_LOG = "server.log"
@@ -2437,8 +2432,6 @@ def verb_server_logs_follow(ctx, lines=20, max_seconds=None, **extra):
 # apply_release() and revert_release() take no lock themselves: the patch_* verbs wrap them in host_lock,
 # and an operation worker that already holds the lock (issue 5) calls them directly.
 
-import signal  # noqa: E402,F811 - this section's own imports stay with it
-import stat  # noqa: E402
 
 PATCH_FLAG = "--speculative-disable-batch-threshold"
 _PT_ID = re.compile(r"^(\d{4,})-\d{8}T\d{6}Z$")
