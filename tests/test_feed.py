@@ -19,6 +19,7 @@ from dynctl.config import HostConfig
 from dynctl.transport.local import Local
 from dynctl.feed import LiveFeed
 from dynctl.snapshot import HostHistory, HostSnapshot
+from lifecycle_harness import wait_for as wait_until
 from watch_server import SglangLikeServer
 
 
@@ -59,14 +60,6 @@ def agents_of(workdir: Path) -> list[psutil.Process]:
     return found
 
 
-def wait_until(check: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture

@@ -20,6 +20,7 @@ from dynctl.config import HostConfig
 from dynctl.snapshot import build_snapshot
 from dynctl.transport.local import Local
 from watch_items import decode_line, log_stamp, transition_line
+from lifecycle_harness import wait_for
 from watch_server import SglangLikeServer, install_fake_nvidia_smi, path_with
 
 
@@ -35,14 +36,6 @@ def first(stream: Iterator[dict[str, Any]], check: Callable[[dict[str, Any]], An
     raise AssertionError(f"no {what} within {timeout} s")
 
 
-def wait_for(check: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 @pytest.fixture
