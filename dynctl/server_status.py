@@ -13,9 +13,15 @@ from dynctl.snapshot import HostSnapshot, build_snapshot
 
 def sample_server(agent: AgentClient, simulated: bool = False) -> HostSnapshot:
     """One snapshot: server state, threshold, batch, speculation, tok/s, accept length, GPUs, log tail."""
-    for item in agent.stream("watch", interval=0.2, max_items=1, log_lines=5):
-        return build_snapshot(item, agent.host.name, simulated=simulated)
-    raise OperationFailed(f"{agent.host.name}: the watch stream ended without a sample")
+    snap = None
+    # the first sample may come before the host's nvidia-smi answered: give it two more short intervals
+    for item in agent.stream("watch", interval=0.2, max_items=3, log_lines=5):
+        snap = build_snapshot(item, agent.host.name, snap, simulated=simulated)
+        if not (snap.gpu_error or "").startswith("waiting for"):
+            return snap
+    if snap is None:
+        raise OperationFailed(f"{agent.host.name}: the watch stream ended without a sample")
+    return snap
 
 
 def server_section(agent: AgentClient, simulated: bool = False) -> dict[str, Any]:
