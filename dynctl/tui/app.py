@@ -224,9 +224,10 @@ class DynctlApp(App[int]):
 
     def _tick(self) -> None:
         """Once a second: keep the "since …" of a disconnected host counting without new data."""
-        banner = self.dashboard.query_one(Banner)
-        if banner.display:
-            banner.refresh()
+        # the timer can fire while the dashboard is being torn down (or not composed yet): nothing to refresh
+        for banner in self.dashboard.query(Banner):
+            if banner.display:
+                banner.refresh()
 
     def action_switch_host(self, step: int) -> None:
         i = self.hosts.index(self.current)
