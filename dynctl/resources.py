@@ -13,19 +13,20 @@ from pathlib import Path
 _PKG = Path(__file__).resolve().parent
 
 
-def _shipped_dir(checkout_name: str, wheel_name: str) -> Path:
-    for candidate in (_PKG.parent / checkout_name, _PKG / wheel_name):
-        if candidate.is_dir():
+def _shipped_dir(checkout_name: str, wheel_name: str, marker: str) -> Path:
+    # the wheel's copy first: next to an installed dynctl, "../remote" may be some other package
+    for candidate in (_PKG / wheel_name, _PKG.parent / checkout_name):
+        if (candidate / marker).is_file():
             return candidate
     raise FileNotFoundError(f"dynctl is installed without its {checkout_name}/ directory")
 
 
 def remote_dir() -> Path:
-    return _shipped_dir("remote", "_remote")
+    return _shipped_dir("remote", "_remote", "dynctl_agent.py")
 
 
 def patches_dir() -> Path:
-    return _shipped_dir("patches", "_patches")
+    return _shipped_dir("patches", "_patches", "spec_batch_threshold.py")
 
 
 @cache
