@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dynctl import events, operations
-from dynctl.agent import AgentClient
+from dynctl.agent import AgentClient, AgentError
 from dynctl.config import HostConfig
 from dynctl.errors import OperationFailed, PreflightError, UsageError
 from dynctl.lifecycle import server_argv
@@ -171,12 +171,11 @@ def set_threshold(agent: AgentClient, threshold: Any) -> dict[str, Any]:
     if state.status != "applied":
         raise PreflightError(f"{agent.host.name}: the patch is not in force ({state.detail}); "
                              f"run `dynctl deploy --threshold {value}` first")
-    answer = agent.call("set_threshold", threshold=value)
-    if answer.get("in_force") != value:
-        raise OperationFailed(
-            f"{agent.host.name}: asked for threshold {value}, but the server reports {answer.get('in_force')!r} "
-            f"(is the running server the patched release?)")
-    return answer
+    try:
+        answer = agent.call("set_threshold", threshold=value)  # raises unless every scheduler reads back `value`
+    except AgentError as err:
+        raise OperationFailed(f"{err} (is the running server the patched release?)") from None
+    return {"requested": value, "in_force": answer["threshold"]}
 
 
 def list_releases(agent: AgentClient) -> list[dict[str, Any]]:

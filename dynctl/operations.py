@@ -7,13 +7,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from dynctl.agent import AgentClient
-from dynctl.errors import DynctlError, OperationFailed, UnreachableError
+from dynctl.errors import OperationFailed, UnreachableError
 
 Event = dict[str, Any]
-
-
-def start(agent: AgentClient, kind: str, params: dict[str, Any]) -> str:
-    return agent.call("op_start", kind=kind, params=params)["op_id"]
 
 
 def run(agent: AgentClient, kind: str, params: dict[str, Any]) -> Iterator[Event]:
@@ -61,14 +57,4 @@ def follow(agent: AgentClient, op_id: str | None = None, reconnect_for: float = 
             yield {"type": "warning", "text": "connection lost; reconnecting to follow the operation"}
             sleep(1.0)
             continue
-        except DynctlError:
-            raise
-        if op_id is None:
-            return
-
-
-def final_of(events: list[Event]) -> Event:
-    for event in reversed(events):
-        if event.get("final"):
-            return event
-    return {"ok": False, "error": "operation ended without a final event"}
+        return  # the stream ended without a final event: agent.stream has already raised for that

@@ -200,6 +200,18 @@ def hangup_shield():
         signal.signal(signal.SIGHUP, old)
 
 
+def write_json_atomic(path, obj):
+    """Replace `path` with `obj` as JSON (0600): a temp file beside it, fsync, rename. Readers see old or new."""
+    tmp = "%s.tmp.%d" % (path, os.getpid())
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(obj, f, indent=1, sort_keys=True, default=str)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 def _read_json(path):
     try:
         with open(path) as f:
@@ -443,16 +455,6 @@ def _new_op_id(kind):
     return "%s-%s-%s" % (stamp, kind, os.urandom(3).hex())
 
 
-def _replace_json(path, obj):
-    tmp = "%s.tmp.%d" % (path, os.getpid())
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, default=str)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 @verb("op_start")
 def op_start(ctx, kind, params=None, **_):
     """Take the host lock, start the detached worker, hand the lock to it, return the op id."""
@@ -464,17 +466,17 @@ def op_start(ctx, kind, params=None, **_):
     request = {"id": op_id, "kind": kind, "params": params or {}, "client": ctx.client,
                "host": {"name": ctx.name, "workdir": ctx.workdir, "python": ctx.python, "port": ctx.port,
                         "env": ctx.env, "launch": ctx.launch, "args": ctx.args}}
-    _replace_json(ctx.path("ops", op_id + ".json"), request)
+    write_json_atomic(ctx.path("ops", op_id + ".json"), request)
     with host_lock(ctx, kind) as holder:
         if holder.get("took_over"):
             dead = holder.pop("took_over")
             request["warning"] = ("took over the host lock of a %s by %s (pid %s) since %s, whose process is gone"
                                   % (dead.get("operation"), dead.get("who"), dead.get("pid"), dead.get("started")))
-            _replace_json(ctx.path("ops", op_id + ".json"), request)
+            write_json_atomic(ctx.path("ops", op_id + ".json"), request)
         worker = _spawn_detached([sys.executable, os.path.abspath(__file__), "--op", ctx.path("ops", op_id + ".json")],
                                  ctx.path("ops", op_id + ".log"), ctx.workdir)
         holder.update({"pid": worker, "pid_start": _wait_start_time(worker), "op": op_id})
-        _replace_json(ctx.path("lock"), holder)  # the worker now owns the lock; our exit leaves it alone
+        write_json_atomic(ctx.path("lock"), holder)  # the worker now owns the lock; our exit leaves it alone
     ctx.changed = True
     return {"op_id": op_id, "worker_pid": worker}
 
@@ -731,8 +733,8 @@ def bench_probe(ctx, host="127.0.0.1", port=None, timeout=10.0, **_):
     }
 
 
-@verb("bench_set_threshold")
-def bench_set_threshold(ctx, threshold, host="127.0.0.1", port=None, timeout=10.0, **_):
+@verb("set_threshold")
+def set_threshold(ctx, threshold, host="127.0.0.1", port=None, timeout=10.0, **_):
     """Set the speculation threshold live, then read back what every scheduler has in force."""
     port = int(port or ctx.port)
     if not isinstance(threshold, int) or isinstance(threshold, bool) or threshold < -1:
@@ -753,7 +755,7 @@ def bench_set_threshold(ctx, threshold, host="127.0.0.1", port=None, timeout=10.
     if any(v != threshold for v in in_force):
         raise AgentError("server at %s:%d did not take threshold %d: in force %s"
                          % (host, port, threshold, in_force), "failed")
-    journal(ctx, "bench.threshold", threshold=threshold)
+    journal(ctx, "threshold.set", threshold=threshold)
     return {"threshold": threshold, "in_force": in_force}
 
 
@@ -1729,12 +1731,7 @@ def _lc_pidfile(ctx):
 
 def _lc_write_pidfile(ctx, record):
     ctx.ensure_workdir()
-    path = ctx.path(SERVER_PIDFILE)
-    tmp = "%s.tmp.%d" % (path, os.getpid())
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(record, f, indent=1, sort_keys=True)
-    os.replace(tmp, path)
+    write_json_atomic(ctx.path(SERVER_PIDFILE), record)
 
 
 def _lc_describe(pid):
@@ -2488,12 +2485,6 @@ def _pt_write_bytes(path, data, mode=0o644, exclusive=True):
         os.close(fd)
 
 
-def _pt_write_json(path, obj):
-    tmp = "%s.tmp.%d" % (path, os.getpid())
-    _pt_write_bytes(tmp, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode(), 0o600, exclusive=False)
-    os.replace(tmp, path)
-
-
 def _pt_journal(ctx, event, **fields):
     """Journal a step; a full disk must not stop a transaction half way (the manifest is the record)."""
     with contextlib.suppress(OSError, AgentError):
@@ -2798,7 +2789,7 @@ def apply_release(ctx, files, sglang_version, strategy="patch", threshold=None, 
                 raise AgentError("backup of %s does not read back intact; nothing was changed" % e["target"], "failed")
         for name, text in (artifacts or {}).items():
             _pt_write_bytes(os.path.join(release_dir, name), text.encode("utf-8"), 0o600)
-        _pt_write_json(os.path.join(release_dir, "manifest.json"), manifest)
+        write_json_atomic(os.path.join(release_dir, "manifest.json"), manifest)
     except (OSError, AgentError) as err:
         drop_candidates()
         shutil.rmtree(release_dir, ignore_errors=True)
@@ -2854,7 +2845,7 @@ def apply_release(ctx, files, sglang_version, strategy="patch", threshold=None, 
     manifest["state"] = "applied"
     manifest["applied"] = now_iso()
     try:
-        _pt_write_json(os.path.join(release_dir, "manifest.json"), manifest)
+        write_json_atomic(os.path.join(release_dir, "manifest.json"), manifest)
         current = _pt_update_current(ctx)
     except OSError as err:
         roll_back("cannot record release %s: %s" % (release_id, err.strerror or err))
@@ -2934,7 +2925,7 @@ def revert_release(ctx, release=None):
     manifest["state"] = "reverted"
     manifest["reverted"] = now_iso()
     manifest["reverted_by"] = ctx.who
-    _pt_write_json(os.path.join(release_dir, "manifest.json"), manifest)
+    write_json_atomic(os.path.join(release_dir, "manifest.json"), manifest)
     current = _pt_update_current(ctx)
     ctx.changed = True
     _pt_journal(ctx, "patch.revert.done", release=release, current=current)
@@ -2995,31 +2986,22 @@ def _dp_set_state(ctx, **fields):
     state = _dp_state(ctx)
     state.update(fields)
     state["updated"] = now_iso()
-    _replace_json(ctx.path(STATE_FILE), state)
+    write_json_atomic(ctx.path(STATE_FILE), state)
 
 
 def server_info(ctx, timeout=5.0):
-    """GET /server_info from the managed server on this host, as a dict (or None when it does not answer)."""
+    """/server_info of the managed server on this host, as a dict (or None when it does not answer)."""
     try:
-        status, body = _lc_http("127.0.0.1", ctx.port, "GET", "/server_info", timeout=timeout)
-    except (OSError, http.client.HTTPException):
+        info = _bench_server_info("127.0.0.1", ctx.port, timeout)
+    except (OSError, ValueError):
         return None
-    if status != 200:
-        return None
-    try:
-        return json.loads(body)
-    except ValueError:
-        return None
+    return info if isinstance(info, dict) else None
 
 
 def threshold_in_force(info):
-    """The runtime threshold: internal_states[0] carries runtime updates, top-level keys are static."""
-    if not info:
-        return None
-    states = info.get("internal_states") or []
-    if states and isinstance(states[0], dict) and "speculative_disable_batch_threshold" in states[0]:
-        return states[0]["speculative_disable_batch_threshold"]
-    return info.get("speculative_disable_batch_threshold")
+    """The runtime threshold (internal_states carry runtime updates; top-level keys are the launch copy)."""
+    found = _bench_thresholds(info or {})
+    return found[0] if found else None
 
 
 def _dp_gate(ctx, oplog, argv, release, ready_timeout):
@@ -3164,22 +3146,6 @@ def op_rollback(ctx, oplog, baseline_argv, to=None, grace=60, ready_timeout=900,
     _dp_set_state(ctx, last="rollback", target=target)
     return {"target": target, "changed": True, "reverted": [m["id"] for m in newer], "argv": argv,
             "pid": ready.get("pid")}
-
-
-@verb("set_threshold")
-def verb_set_threshold(ctx, threshold, **_):
-    """Change the threshold of the running server (/set_internal_state), then read it back."""
-    body = {"server_args": {"speculative_disable_batch_threshold": threshold}}
-    try:
-        status, _body = _lc_http("127.0.0.1", ctx.port, "POST", "/set_internal_state", body=body, timeout=10)
-    except (OSError, http.client.HTTPException) as err:
-        raise AgentError("the server on port %d did not answer /set_internal_state: %s" % (ctx.port, err), "failed")
-    if status != 200:
-        raise AgentError("/set_internal_state answered HTTP %d" % status, "failed")
-    value = threshold_in_force(server_info(ctx))
-    journal(ctx, "threshold.set", requested=threshold, in_force=value)
-    ctx.changed = value == threshold
-    return {"requested": threshold, "in_force": value}
 
 
 @verb("deploy_context")

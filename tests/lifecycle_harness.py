@@ -12,20 +12,20 @@ import os
 import re
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
+from polling import wait_for
+from sshd_harness import free_port
 
 from dynctl import events, lifecycle
 from dynctl.agent import AgentClient
 from dynctl.config import HostConfig
 from dynctl.transport.local import Local
-from sshd_harness import free_port
 
 HERE = Path(__file__).resolve().parent
 SERVERS = HERE / "servers"
@@ -41,17 +41,6 @@ def alive(pid: int) -> bool:
     except psutil.Error:
         return False
 
-
-def wait_for(cond: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
-    """Poll `cond` until it is truthy; fail the test with `what` at the deadline."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(0.02)
 
 
 def listening(port: int) -> bool:

@@ -14,6 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 import typer
+from polling import wait_for
 from test_bench_server import TokenServer
 from typer.testing import CliRunner
 
@@ -189,17 +190,22 @@ def test_ctrl_c_mid_sweep_writes_what_was_measured_and_exits_130(server, tmp_pat
     assert doc["runs"][0]["levels"][0]["max_concurrency"] == 1
     assert server.threshold == 4  # put back even on Ctrl-C
     # the level's generator is stopped; one caught while starting up exits at its next tick (closed pipe)
-    deadline = time.monotonic() + 5
-    while [p for p in agents if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]:
-        assert time.monotonic() < deadline, "a load generator outlived dynctl bench"
-        time.sleep(0.05)
+    wait_for(lambda: not [p for p in agents if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], 5,
+             "the load generators to end with dynctl bench")
 
 
 def test_core_run_stops_when_asked_and_restores(server, tmp_path):
     """The TUI's stop key: should_stop() ends the run after the current level, threshold put back."""
     from test_bench_server import local_agent
 
-    from dynctl.bench import BenchInterrupted, BenchPlan, LevelDone, Mode, ThresholdRestored, run_bench
+    from dynctl.bench import (
+        BenchInterrupted,
+        BenchPlan,
+        LevelDone,
+        Mode,
+        ThresholdRestored,
+        run_bench,
+    )
 
     events: list = []
     plan = BenchPlan(concurrency=(1, 2, 4), num_prompts=3, input_len=4, output_len=3,

@@ -12,16 +12,16 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import psutil
 import pytest
+from polling import wait_for
+from sglang_trees import install_sglang
 
 from dynctl.patching import TARGET_FILES, plan_patch
-from sglang_trees import install_sglang
 
 SPEC_ARGS = ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "/models/draft",
              "--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"]
@@ -32,15 +32,6 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
-
-def wait_for(condition, timeout: float, what: str, interval: float = 0.02):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
 
 
 def install_patched(version: str, site: Path) -> Path:

@@ -13,26 +13,19 @@ from pathlib import Path
 
 import httpx
 import pytest
+from polling import wait_for
+from sshd_harness import FakeHost, connection_owner, free_port, generate_key
 
 from dynctl.config import SSHTarget, load_config
 from dynctl.errors import ConfigError, HostKeyError, UnreachableError
 from dynctl.transport import close_all, connect
 from dynctl.transport.ssh import SSH
-from sshd_harness import FakeHost, connection_owner, free_port, generate_key
 
 
 def ssh_keygen_fingerprint(pub: Path) -> str:
     """The fingerprint as OpenSSH itself prints it (independent of paramiko)."""
     return subprocess.run(["ssh-keygen", "-lf", str(pub)], capture_output=True, text=True, check=True).stdout.split()[1]
 
-
-def wait_until(predicate, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
 
 
 # ---- commands
@@ -187,7 +180,7 @@ def test_reconnects_after_the_server_drops_the_connection(sshd_factory):
     assert t.run(["true"]).rc == 0
     first = t.connect()
     fh.server.drop_connections()
-    assert wait_until(lambda: not first.is_active())
+    wait_for(lambda: not first.is_active(), 10, "the first transport to close")
     assert t.run(["echo", "back"]).out == b"back\n"
     assert t.connections_opened == 2
 
@@ -479,7 +472,7 @@ def test_closing_a_stream_from_another_thread_ends_its_reader(sshd: FakeHost):
     got: list[bytes] = []
     reader = threading.Thread(target=lambda: got.extend(s.lines()))
     reader.start()
-    assert wait_until(lambda: got == [b"first\n"])
+    wait_for(lambda: got == [b"first\n"], 10, "the first line")
     s.close()
     reader.join(5)
     assert not reader.is_alive()

@@ -116,7 +116,7 @@ class ModeSwitcher:
 
     def _set(self, threshold: int) -> int:
         try:
-            answer = self.agent.call("bench_set_threshold", threshold=threshold)
+            answer = self.agent.call("set_threshold", threshold=threshold)
         except AgentError as err:
             if err.kind == "preflight":
                 return self.redeployer.redeploy(threshold)
