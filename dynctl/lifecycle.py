@@ -208,6 +208,8 @@ def _relay_ready_item(item: dict[str, Any], on_event: EventSink) -> dict[str, An
     if kind == "log":
         for line in item.get("lines", []):
             on_event(events.LogLine(line))
+    elif kind == "warning":
+        on_event(events.Warning(item.get("text", "")))
     elif kind == "ready":
         return item
     return None

@@ -7,8 +7,10 @@ import builtins
 
 FLAG = "--speculative-disable-batch-threshold"
 FIELD = "speculative_disable_batch_threshold"
-WORKER_METHODS = {"_skip_speculation", "_init_spec_disable", "_forward_batch_generation_no_spec",
-                  "_no_spec_bonus_tokens", "_no_spec_finish_result", "_no_spec_draft_extend"}
+WORKER_METHODS = {"_skip_speculation", "_init_spec_disable", "_capture_spec_disable_graphs",
+                  "_spec_disable_plain_target", "_spec_disable_one_token_draft",
+                  "_forward_batch_generation_no_spec", "_no_spec_draft_extend",
+                  "_no_spec_bonus_tokens", "_no_spec_finish_result", "_no_spec_draft_context"}
 
 
 def _class(tree: ast.Module, name: str) -> ast.ClassDef:
@@ -56,6 +58,9 @@ def check_scheduler(text: str) -> None:
     handover = [n for n in ast.walk(tree) if isinstance(n, ast.Assign) and ast.unparse(n.targets[0])
                 == "self.draft_worker.metrics_collector"]
     assert len(handover) == 1, "the scheduler does not hand its metrics collector to the spec worker"
+    arm = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and ast.unparse(n.func)
+           == "self.draft_worker._init_spec_disable"]
+    assert len(arm) == 1, "the scheduler does not arm the threshold (and capture its graphs) at startup"
 
 
 def check_eagle_worker(text: str) -> None:

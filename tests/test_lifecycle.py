@@ -301,6 +301,15 @@ def test_gpu_memory_is_waited_for_after_exit(box: Box, tmp_path):
         b.cleanup()
 
 
+def test_a_traceback_of_an_optional_feature_during_start_is_not_a_crash(box: Box):
+    """sglang logs a Traceback when it skips an optional module and then serves: only an exit is a crash."""
+    box.start("--optional-traceback", "--start-delay", "2.5")
+    done = lifecycle.wait_ready(box.agent, ready_timeout=120, on_event=box.events.append)
+    assert done["event"] == "ready"
+    warned = [e for e in box.events if isinstance(e, events.Warning)]
+    assert warned and "Traceback during start" in warned[0].text and "still running" in warned[0].text
+
+
 def test_a_traceback_logged_while_serving_is_not_a_failed_start(box: Box):
     box.start_ready()
     with open(box.workdir / "server.log", "a") as log:  # e.g. a bad request's handler error, later on

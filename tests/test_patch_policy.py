@@ -203,3 +203,55 @@ def test_metrics_names_labels_and_values() -> None:
     assert 'sglang:spec_disabled_steps_total{engine_type="unified",model_name="m",moe_ep_rank="0",pp_rank="0",' \
            'tp_rank="0"} 3.0' in text
     assert "# TYPE sglang:spec_enabled gauge" in text and "# TYPE sglang:spec_disable_threshold gauge" in text
+
+
+# --------------------------------------------------------------------------- the draft while disabled
+
+
+@pytest.mark.parametrize(("environ", "mode"), [
+    ({}, "auto"), ({"SGLANG_SPEC_THRESHOLD_DRAFT": "skip"}, "skip"),
+    ({"SGLANG_SPEC_THRESHOLD_DRAFT": " Extend "}, "extend"), ({"SGLANG_SPEC_THRESHOLD_DRAFT": "auto"}, "auto"),
+])
+def test_draft_mode_from_the_environment(environ: dict, mode: str) -> None:
+    assert sbt.draft_mode(environ) == mode
+
+
+def test_an_unknown_draft_mode_falls_back_to_auto_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING):
+        assert sbt.draft_mode({"SGLANG_SPEC_THRESHOLD_DRAFT": "cold"}) == "auto"
+    assert "SGLANG_SPEC_THRESHOLD_DRAFT='cold' is not one of auto, extend, skip" in caplog.text
+
+
+class _Param:
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def numel(self) -> int:
+        return self.n
+
+
+class _Model:
+    def __init__(self, **params: int) -> None:
+        self.params = params
+
+    def named_parameters(self):
+        return [(name.replace("__", "."), _Param(n)) for name, n in self.params.items()]
+
+
+def test_weights_read_per_step_leave_out_the_embedding_tables() -> None:
+    # an EAGLE-3 draft shares the target's embedding, whose rows are gathered, not read whole
+    draft = _Model(model__embed_tokens__weight=131_072_000, fc__weight=50_331_648, lm_head__weight=131_072_000)
+    assert sbt.weights_read_per_step(draft) == 50_331_648 + 131_072_000
+
+
+@pytest.mark.parametrize(("mode", "draft", "target", "resolved"), [
+    ("auto", 383_000_000, 5_770_000_000, "skip"),      # the H200 benchmark's 5.9 B target: 6.6 %
+    ("auto", 424_000_000, 69_000_000_000, "extend"),   # a 70 B target with an 8 B-class draft: 0.6 %
+    ("auto", 30, 1000, "extend"),                     # exactly the 3 % share
+    ("auto", 31, 1000, "skip"),
+    ("auto", 1, 0, "skip"),
+    ("extend", 383_000_000, 5_770_000_000, "extend"),  # the operator's word wins
+    ("skip", 1, 1_000_000, "skip"),
+])
+def test_auto_keeps_the_draft_warm_only_when_it_is_small(mode: str, draft: int, target: int, resolved: str) -> None:
+    assert sbt.resolve_draft_mode(mode, draft, target) == resolved

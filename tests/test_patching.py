@@ -159,6 +159,63 @@ def test_what_the_plain_decode_step_uses_exists_in_the_release(version: str) -> 
     assert ("speculative_moe_backend_context" in around) == (variant_for(version) != "0.5.6")
 
 
+@pytest.mark.parametrize("version", PATCH_VERSIONS)
+def test_what_the_plain_decode_graphs_use_exists_in_the_release(version: str) -> None:
+    """The fast path captures a second graph set through the release's own runners: each knob it turns
+    (attribute overrides during construction) is read where the inserted code expects it."""
+    runner = wheel_text(version, "srt/model_executor/model_runner.py")
+    assert "def _get_attention_backend(self, init_new_workspace: bool = False):" in runner
+    assert {"attn_backend", "graph_runner", "spec_algorithm", "init_new_workspace"} <= _self_attrs(runner, "ModelRunner")
+    args = _dataclass_fields(wheel_text(version, "srt/server_args.py"), "ServerArgs")
+    assert {"enable_return_hidden_states", "enable_lora", "speculative_num_steps",
+            "speculative_num_draft_tokens"} <= args
+    assert "return cls.NONE" in wheel_text(version, "srt/speculative/spec_info.py")  # from_string(None)
+
+    graphs = wheel_text(version, "srt/model_executor/cuda_graph_runner.py")
+    init = ast.unparse(next(n for n in ast.walk(next(c for c in ast.walk(ast.parse(graphs)) if isinstance(c, ast.ClassDef)
+                                                     and c.name == "CudaGraphRunner")) if isinstance(n, ast.FunctionDef) and n.name == "__init__"))
+    # TARGET_VERIFY only for a speculative model runner; FULL hidden states from the server flag;
+    # the attention backend is the model runner's (or defaults to it).
+    assert "model_runner.spec_algorithm.is_" in init and "ForwardMode.TARGET_VERIFY" in init
+    assert "if model_runner.server_args.enable_return_hidden_states:" in init
+    assert "self.capture_hidden_mode = CaptureHiddenMode.FULL" in init
+    assert ("self.model_runner.attn_backend.init_cuda_graph_state" in init
+            or "self.attn_backend = attn_backend or model_runner.attn_backend" in init)
+    assert "self.capture_bs" in init
+
+    worker = wheel_text(version, "srt/speculative/eagle_worker_v2.py")
+    assert {"speculative_num_steps", "speculative_num_draft_tokens", "cuda_graph_runner_for_draft_extend",
+            "draft_extend_attn_backend", "topk", "draft_runner"} <= _self_attrs(worker, "EagleDraftWorker")
+    extend = worker[worker.index("def _draft_extend_for_decode("):]
+    extend = extend[: extend.index("\n    def ", 10)] if "\n    def " in extend[10:] else extend
+    for used in ("self.speculative_num_steps + 1", "* self.speculative_num_draft_tokens",
+                 "self.cuda_graph_runner_for_draft_extend"):
+        assert used in extend, used
+    factory = next(n for n in ast.walk(ast.parse(wheel_text(version, "srt/speculative/draft_utils.py")))
+                   if isinstance(n, ast.ClassDef) and n.name == "DraftBackendFactory")
+    assert [a.arg for a in _method_node(factory, "__init__").args.args] == [
+        "self", "server_args", "draft_model_runner", "topk", "speculative_num_steps"]
+    assert _method_node(factory, "create_draft_extend_backend")
+
+    # The draft-extend graph runner sizes itself from speculative_num_steps (server args, or a
+    # keyword that defaults to them) and uses the worker's draft-extend backend.
+    ext = wheel_text(version, "srt/speculative/eagle_draft_extend_cuda_graph_runner.py")
+    assert "self.num_tokens_per_bs = self.speculative_num_steps + 1" in ext
+    assert "model_runner.server_args.speculative_num_steps" in ext
+    assert "eagle_worker.draft_extend_attn_backend" in ext
+    triton = wheel_text(version, "srt/layers/attention/triton_backend.py")
+    assert "self.speculative_num_steps = model_runner.server_args.speculative_num_steps" in triton
+    # capture sizes its query layout from the steps; replay from them too, or (0.5.6-0.5.9) from the
+    # accept lengths, which are 1 per request on a one-token extend
+    assert triton.count("num_tokens_per_bs = self.speculative_num_steps + 1") == 2 or (
+        triton.count("num_tokens_per_bs = self.speculative_num_steps + 1") == 1
+        and "accept_lens = spec_info.accept_length[:bs]" in triton)
+
+
+def _method_node(cls: ast.ClassDef, name: str) -> ast.FunctionDef:
+    return next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == name)
+
+
 # --------------------------------------------------------------------------- refusals
 
 

@@ -125,6 +125,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tokens", type=int, default=4)
     ap.add_argument("--ignore-sigterm", action="store_true")
     ap.add_argument("--crash-after", type=float, default=None)
+    ap.add_argument("--optional-traceback", action="store_true",
+                    help="log a Traceback for an optional feature during start, then serve (as sglang does "
+                         "when openai_harmony is missing)")
     ap.add_argument("--hang", action="store_true")
     ap.add_argument("--children", action="store_true")
     ap.add_argument("--orphan-port", action="store_true")
@@ -175,6 +178,10 @@ def main(argv: list[str] | None = None) -> None:
     httpd.daemon_threads = True
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     log("Load weights begin")
+    if args.optional_traceback:
+        log("Can not initialize OpenAIServingResponses, error: Traceback (most recent call last):\n"
+            '  File "serving_responses.py", line 30, in <module>\n'
+            "ModuleNotFoundError: No module named 'openai_harmony'")
     t0 = time.monotonic()
     while not stop_at:
         elapsed = time.monotonic() - t0

@@ -1,0 +1,657 @@
+#!/usr/bin/env python3
+"""Device side of the GPU benchmark: install the carried trees, make the models, run sglang, measure.
+
+Run from the repository root on the GPU machine, the carry folder (default .gpu, see prepare.sh)
+next to it; one call per phase, each within the device's 10-minute limit:
+
+  python3 .gpu/bin/phase.py speed --version 0.5.12.post1   # no-spec, pristine EAGLE-3, patched (draft
+                                                           # kept warm / skipped) at -1 and 0: sweeps
+  python3 .gpu/bin/phase.py more  --version 0.5.12.post1   # threshold N (dynctl's recommendation from
+                                                           # the speed phase) through `dynctl threshold`,
+                                                           # `dynctl deploy` of a strict-checking server,
+                                                           # 1,000 flips under load, logprobs, and greedy
+                                                           # outputs scored on the no-spec server
+  python3 .gpu/bin/phase.py check --version 0.5.11         # correctness only (outputs, flips, scoring)
+
+Servers are started in their own session and left running between calls, so a `more` call that
+follows a `speed` call on the still-warm machine reuses them ($GPU_ENV/servers.json); a fresh machine
+starts what it needs. Results land in $GPU_ENV/results and are returned in $OUT
+(results-<phase>-<version>.tar.gz, summary-<phase>-<version>.txt, sweeps-<version>.json).
+"""
+import argparse
+import glob
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+import urllib.request
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CARRY = os.path.dirname(HERE)
+REPO = os.path.dirname(CARRY)
+sys.path.insert(0, HERE)
+import client  # noqa: E402
+
+ENV = os.environ.get("GPU_ENV", "/tmp/gpuenv")
+RES = os.path.join(ENV, "results")
+STATE = os.path.join(ENV, "servers.json")
+T0 = time.time()
+BUDGET = float(os.environ.get("PHASE_BUDGET_S", "560"))
+LEVELS = os.environ.get("LEVELS", "1,2,4,8,16,32,64,128,256")
+SWEEP = dict(warmup=float(os.environ.get("SWEEP_WARMUP", "1.2")),
+             window=float(os.environ.get("SWEEP_WINDOW", "1.2")),
+             windows=int(os.environ.get("SWEEP_WINDOWS", "3")))
+SUMMARY = []
+SUMMARY_FILE = None
+
+
+def say(msg):
+    line = f"[{time.time() - T0:6.1f}s] {msg}"
+    print(line, flush=True)
+    SUMMARY.append(line)
+    if SUMMARY_FILE:
+        with open(SUMMARY_FILE, "a") as f:
+            f.write(line + "\n")
+
+
+def left():
+    return BUDGET - (time.time() - T0)
+
+
+def extract(tar, dest):
+    if not os.path.isdir(dest):
+        shutil.rmtree(dest + ".part", ignore_errors=True)
+        os.makedirs(dest + ".part")
+        subprocess.run(["tar", "-xJf", tar, "-C", dest + ".part"], check=True)
+        os.rename(dest + ".part", dest)
+
+
+def is_native(version):
+    return tuple(int(x) for x in re.findall(r"\d+", version)[:3]) >= (0, 5, 14)
+
+
+def tree_env(version, kind, copy_as=None):
+    """PYTHONPATH environment for the carried sglang tree `kind` (pristine/patched); `copy_as` gives
+    a private copy of the tree (for dynctl to patch in place)."""
+    kv = open(os.path.join(CARRY, f"sglang-{version}.kernels")).read().strip()
+    extract(os.path.join(CARRY, "site.tar.xz"), os.path.join(ENV, "site"))
+    extract(os.path.join(CARRY, f"kernels-{kv}.tar.xz"), os.path.join(ENV, f"kernels-{kv}"))
+    t = f"sglang-{version}-{kind}"
+    extract(os.path.join(CARRY, t + ".tar.xz"), os.path.join(ENV, t))
+    tree = os.path.join(ENV, t)
+    if copy_as:
+        tree = os.path.join(ENV, copy_as)
+        if not os.path.isdir(tree):
+            shutil.copytree(os.path.join(ENV, t), tree)
+    path = [tree, os.path.join(ENV, f"kernels-{kv}")]
+    overlay = os.path.join(CARRY, f"site-{version}.tar.xz")
+    if os.path.exists(overlay):
+        extract(overlay, os.path.join(ENV, f"site-{version}"))
+        path.append(os.path.join(ENV, f"site-{version}"))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ":".join(path + [os.path.join(ENV, "site")])
+    if not is_native(version):
+        env["SGLANG_ENABLE_SPEC_V2"] = "1"
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def run_py(env, code):
+    r = subprocess.run([sys.executable, "-c", code], env=env, text=True, capture_output=True)
+    return r.returncode, (r.stdout.strip() or r.stderr.strip()[-2500:])
+
+
+def import_check(env):
+    rc, out = run_py(env, "import torch, sgl_kernel, flashinfer, transformers, sglang;"
+                          "import sglang.srt.managers.scheduler, sglang.srt.entrypoints.http_server, "
+                          "sglang.srt.speculative.eagle_worker_v2;"
+                          "print('torch', torch.__version__, 'sglang', sglang.__version__)")
+    say(f"import check rc={rc}: {out}")
+    return rc == 0
+
+
+def jit_warmup(env):
+    rc, out = run_py(env, "import time, torch, sgl_kernel; t=time.time();"
+                          "x=torch.randn(8,4096,device='cuda',dtype=torch.bfloat16); w=torch.ones(4096,device='cuda',"
+                          "dtype=torch.bfloat16); r=torch.randn_like(x); sgl_kernel.rmsnorm(x,w,1e-5);"
+                          "sgl_kernel.fused_add_rmsnorm(x,r,w,1e-5); torch.cuda.synchronize();"
+                          "print('flashinfer norm ready in %.0fs' % (time.time()-t))")
+    say(f"jit warm-up rc={rc}: {out}")
+    return rc == 0
+
+
+def models():
+    d = os.environ.get("GPU_MODELS") or ("/dev/shm/models" if shutil.disk_usage("/dev/shm").free > 40e9
+                                         else os.path.join(ENV, "models"))
+    if not os.path.exists(os.path.join(d, "draft", "model.safetensors")):
+        t = time.time()
+        r = subprocess.run([sys.executable, os.path.join(HERE, "make_models.py"), "--out", d],
+                           text=True, capture_output=True, env=dict(os.environ, PYTHONPATH=os.path.join(ENV, "site")))
+        for line in (r.stdout + r.stderr).strip().splitlines()[-6:]:
+            say("models: " + line)
+        if r.returncode:
+            raise SystemExit("model generation failed")
+        say(f"models made in {time.time() - t:.0f}s at {d}")
+    return d
+
+
+def setup(version, kinds):
+    """Trees, JIT and models; the models are made on the GPU while the CPU work runs."""
+    made = {}
+    mt = threading.Thread(target=lambda: made.update(m=models()))
+    mt.start()
+    envs = {k: tree_env(version, k) for k in kinds}
+    ok = import_check(envs[kinds[0]]) and jit_warmup(envs[kinds[0]])
+    mt.join()
+    if not ok or "m" not in made:
+        raise SystemExit("setup failed")
+    return envs, made["m"]
+
+
+def gpu_free_gib():
+    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.free", "--format=csv,noheader,nounits"],
+                         text=True, capture_output=True).stdout.split()
+    return float(out[0]) / 1024 if out else 0.0
+
+
+# --------------------------------------------------------------------------- servers
+
+
+class Server:
+    def __init__(self, name, port, env=None, args=None, pid=None):
+        self.name, self.port, self.env, self.args, self.pid = name, port, env, args or [], pid
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = os.path.join(RES, name + ".log")
+        self.proc = None
+
+    def launch(self, extra_env=None):
+        """Start in its own session. Servers share the GPU and start together: each profiles its KV
+        budget as (free after its weights) - (free before) x (1 - fraction), so a high fraction keeps
+        that positive however the starts interleave, and --max-total-tokens caps what each takes."""
+        argv = [sys.executable, "-m", "sglang.launch_server", "--host", "127.0.0.1", "--port", str(self.port)
+                ] + self.args
+        say(f"{self.name}: start {' '.join(self.args[2:])}")
+        env = dict(self.env, **(extra_env or {}))
+        self.proc = subprocess.Popen(argv, env=env, stdout=open(self.log, "a"), stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        self.pid = self.proc.pid
+        self.started = time.time()
+
+    def alive(self):
+        if self.proc is not None:
+            return self.proc.poll() is None
+        try:
+            os.kill(self.pid, 0)
+            return True
+        except (OSError, TypeError):
+            return False
+
+    def wait_log(self, pattern, timeout):
+        t = time.time()
+        while time.time() - t < timeout:
+            if self.grep(pattern):
+                return True
+            if not self.alive():
+                return False
+            time.sleep(0.5)
+        return False
+
+    def wait_ready(self, timeout=420):
+        t = time.time()
+        while time.time() - t < timeout:
+            if not self.alive():
+                say(f"{self.name}: EXITED during start; log tail:\n" + self.tail(30))
+                return False
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        client.generate(self.url, [5, 6, 7, 8], 4)
+                        say(f"{self.name}: ready {time.time() - self.started:.0f}s after start")
+                        return True
+            except Exception:  # noqa: BLE001
+                pass
+            time.sleep(1)
+        say(f"{self.name}: not ready after {timeout}s; log tail:\n" + self.tail(30))
+        return False
+
+    def tail(self, n):
+        try:
+            return "".join(open(self.log, errors="replace").readlines()[-n:])
+        except OSError:
+            return ""
+
+    def grep(self, pat):
+        try:
+            return [l.rstrip() for l in open(self.log, errors="replace") if re.search(pat, l)]
+        except OSError:
+            return []
+
+    def stop(self):
+        """SIGTERM to the session this script created for it, SIGKILL after 30 s."""
+        if self.pid and self.alive():
+            try:
+                os.killpg(self.pid, signal.SIGTERM)
+                for _ in range(60):
+                    if not self.alive():
+                        break
+                    time.sleep(0.5)
+                else:
+                    os.killpg(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            if self.proc is not None:
+                self.proc.wait(30)
+        bad = self.grep(r"Traceback|NaN|nan detected|leak|Error:")
+        say(f"{self.name}: stopped; error-looking lines {len(bad)}" + ("\n  " + "\n  ".join(bad[:8]) if bad else ""))
+
+
+def load_state():
+    try:
+        rows = json.load(open(STATE))
+    except (OSError, ValueError):
+        return {}
+    out = {}
+    for r in rows:
+        s = Server(r["name"], r["port"], pid=r["pid"])
+        if s.alive():
+            out[s.name] = s
+    return out
+
+
+def save_state(servers):
+    json.dump([{"name": s.name, "port": s.port, "pid": s.pid} for s in servers.values() if s.alive()],
+              open(STATE, "w"))
+
+
+def common_args(m, spec, extra=()):
+    a = ["--model-path", os.path.join(m, "target"), "--skip-tokenizer-init", "--dtype", "bfloat16",
+         "--attention-backend", "triton", "--sampling-backend", "pytorch", "--disable-radix-cache",
+         "--max-running-requests", "256", "--max-total-tokens", "72000", "--mem-fraction-static", "0.82",
+         "--enable-metrics",
+         "--log-level", "info"]
+    if spec:
+        a += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", os.path.join(m, "draft"),
+              "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
+              "--speculative-num-draft-tokens", "4"]
+    return a + list(extra)
+
+
+def start_all(specs):
+    """Start servers one after another (each once its KV cache is allocated, so that every one sizes its
+    memory from what the others left), then wait until all are ready."""
+    servers = {}
+    for s, extra_env in specs:
+        s.launch(extra_env)
+        servers[s.name] = s
+        if not s.wait_log(r"KV Cache is allocated", 240):
+            say(f"{s.name}: no KV cache after 240 s; log tail:\n" + s.tail(30))
+    for s in servers.values():
+        s.wait_ready()
+    return {k: v for k, v in servers.items() if v.alive()}
+
+
+def graph_lines(s):
+    keep = r"Capture (cuda graph|draft cuda graph|draft extend cuda graph) end|plain decode CUDA graphs"
+    return [re.sub(r"^\[[^\]]*\]\s*", "", l) for l in s.grep(keep)]
+
+
+def decode_lines(s, n=3):
+    return [re.sub(r"^\[[^\]]*\]\s*", "", l) for l in s.grep(r"Decode batch")[-n:]]
+
+
+def sweep(s, label, levels=LEVELS):
+    if left() < 70:
+        say(f"sweep {label}: skipped, {left():.0f}s of the phase budget left")
+        return None
+    rows = []
+    client.generate(s.url, [5, 6, 7, 8], 8)
+    for c in [int(x) for x in levels.split(",")]:
+        if left() < 15:
+            say(f"sweep {label}: stopped before c{c}, budget")
+            break
+        rows.append(client.sweep_level(s.url, c, PROMPTS, 128, **SWEEP))
+    json.dump(rows, open(os.path.join(RES, f"sweep-{label}.json"), "w"), indent=1)
+    say(f"sweep {label}: " + ", ".join(f"c{r['concurrency']}={r['tok_s']:.0f}±{r['spread_pct']:.0f}%"
+                                       f"({r['step_ms']:.1f}ms,spec{r['spec_share']})" for r in rows))
+    return rows
+
+
+def set_threshold(s, n):
+    client.set_threshold(s.url, n)
+    got = client.threshold_of(s.url)
+    say(f"{s.name}: threshold {n} -> internal_states {got}")
+    return got
+
+
+# --------------------------------------------------------------------------- dynctl on this machine
+
+
+def dynctl_env(version):
+    """dynctl installed from its carried wheels into $GPU_ENV/dynsite; returns the env to run it with."""
+    site = os.path.join(ENV, "dynsite")
+    if not os.path.isdir(site):
+        wheels = sorted(glob.glob(os.path.join(CARRY, "wheels", "*.whl")))
+        r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
+                            "--no-compile", "--target", site] + wheels, text=True, capture_output=True)
+        say(f"dynctl wheels installed rc={r.returncode} {r.stderr.strip()[-300:]}")
+    env = dict(os.environ, PYTHONPATH=site, DYNCTL_CONFIG=os.path.join(ENV, "dynctl.toml"))
+    env.pop("SGLANG_ENABLE_SPEC_V2", None)
+    return env
+
+
+def write_dynctl_config(version, models_dir, hosts):
+    """One [hosts.X] per server: the device's python with the carried tree on PYTHONPATH."""
+    lines = ['default_host = "%s"' % next(iter(hosts))]
+    for name, (port, tree_env_, args) in hosts.items():
+        lines.append(f"\n[hosts.{name}]")
+        lines.append(f'python = "{sys.executable}"')
+        lines.append(f'workdir = "{ENV}/dynwork-{name}"')
+        lines.append(f"port = {port}")
+        env = {"PYTHONPATH": tree_env_["PYTHONPATH"], "PYTHONUNBUFFERED": "1"}
+        for k in ("SGLANG_ENABLE_SPEC_V2", "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY", "SGLANG_SPEC_THRESHOLD_DRAFT"):
+            if k in tree_env_:
+                env[k] = tree_env_[k]
+        lines.append("env = { " + ", ".join(f'{k} = "{v}"' for k, v in env.items()) + " }")
+        args = [x for x in args if x != "--enable-metrics"]  # dynctl adds it itself
+        lines.append("args = [" + ", ".join(json.dumps(a) for a in args) + "]")
+    open(os.path.join(ENV, "dynctl.toml"), "w").write("\n".join(lines) + "\n")
+
+
+def dynctl(env, *argv, timeout=600):
+    t = time.time()
+    r = subprocess.run([sys.executable, "-m", "dynctl", *argv], env=env, text=True, capture_output=True,
+                       timeout=timeout)
+    out = (r.stdout + r.stderr).strip()
+    say(f"dynctl {' '.join(argv)} -> rc {r.returncode} in {time.time() - t:.1f}s: "
+        + " | ".join(out.splitlines()[-6:])[:900])
+    return r.returncode, out
+
+
+def recommend_threshold(env, nospec, eagle3):
+    """The threshold `dynctl bench --compare` would recommend from these two sweeps (its own code)."""
+    code = (
+        "import json, sys; from types import SimpleNamespace as N\n"
+        "from dynctl.bench.recommend import recommend\n"
+        "off, on = json.load(open(sys.argv[1])), json.load(open(sys.argv[2]))\n"
+        "lv = lambda rows: [{'max_concurrency': r['concurrency'], 'output_throughput': r['tok_s']} for r in rows]\n"
+        "rec = recommend([N(mode=N(threshold=0), levels=lv(off)), N(mode=N(threshold=-1), levels=lv(on))])\n"
+        "print(json.dumps({'threshold': rec['threshold'], 'notes': rec.get('notes')}))\n")
+    r = subprocess.run([sys.executable, "-c", code, nospec, eagle3], env=env, text=True, capture_output=True)
+    if r.returncode:
+        say("recommend failed: " + r.stderr.strip()[-600:])
+        return None
+    rec = json.loads(r.stdout.strip().splitlines()[-1])
+    say(f"dynctl's recommendation from the no-spec and EAGLE-3 sweeps: {rec}")
+    return rec["threshold"]
+
+
+# --------------------------------------------------------------------------- phases
+
+
+PROMPTS = None
+
+
+def prompts_file():
+    global PROMPTS
+    p = os.path.join(RES, "prompts.json")
+    if not os.path.exists(p):
+        client.cmd_prompts(client.Args(out=p))
+    PROMPTS = json.load(open(p))
+    return p
+
+
+def phase_speed(a):
+    """Everything the fast path is judged on, in one call: five servers start together (no-spec and
+    EAGLE-3 on the pristine tree, the patched tree with the draft kept warm and skipped, and one that
+    `dynctl deploy` patches and starts with strict memory checks and NaN detection); then the sweeps,
+    greedy outputs scored on the no-spec server, and 1,000 threshold flips under load."""
+    envs, m = setup(a.version, ["pristine", "patched"])
+    p = prompts_file()
+    denv = dynctl_env(a.version)
+    n = a.threshold
+    strict_env = tree_env(a.version, "pristine", copy_as=f"sglang-{a.version}-dynctl")
+    strict_env["SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY"] = "1"
+    thr = ["--speculative-disable-batch-threshold", "-1"]
+    plan = [Server("nospec", 30000, envs["pristine"], common_args(m, False)),
+            Server("eagle3", 30001, envs["pristine"], common_args(m, True)),
+            Server("warm", 30002, envs["patched"], common_args(m, True, thr)),
+            Server("skip", 30003, dict(envs["patched"], SGLANG_SPEC_THRESHOLD_DRAFT="skip"),
+                   common_args(m, True, thr))]
+    write_dynctl_config(a.version, m, {
+        "strict": (30004, strict_env, common_args(m, True, ["--enable-nan-detection"])),
+        "warm": (30002, envs["patched"], []), "skip": (30003, envs["patched"], [])})
+    deployed = {}
+    deployer = threading.Thread(target=lambda: deployed.update(
+        rc=dynctl(denv, "deploy", "--threshold", str(n), "--yes", "--host", "strict", timeout=500)[0]))
+    for s in plan:
+        s.launch()
+    deployer.start()
+    servers = {s.name: s for s in plan if s.wait_ready()}
+    save_state(servers)
+    deployer.join(timeout=120)  # its graph capture would disturb the first sweep
+    for s in servers.values():
+        for l in graph_lines(s):
+            say(f"{s.name}: {l}")
+
+    def measure(name, threshold, label):
+        s = servers.get(name)
+        if s is None:
+            say(f"sweep {label}: no server")
+            return
+        if threshold is not None:
+            set_threshold(s, threshold)
+        sweep(s, label)
+        for l in decode_lines(s, 1):
+            say(f"{label} decode: {l}")
+
+    measure("warm", 0, "warm-t0")
+    measure("nospec", None, "nospec")
+    measure("eagle3", None, "eagle3")
+    files = [os.path.join(RES, f"sweep-{x}.json") for x in ("nospec", "eagle3")]
+    if all(os.path.exists(f) for f in files):
+        n = recommend_threshold(denv, *files) or n
+        json.dump({"threshold": n}, open(os.path.join(RES, "recommended.json"), "w"))
+    correctness(servers, p, n)
+    measure("skip", 0, "skip-t0")
+    measure("warm", -1, "warm-tm1")
+    if "warm" in servers:
+        dynctl(denv, "threshold", str(n), "--yes", "--host", "warm")
+        measure("warm", None, f"warm-t{n}")
+    deployer.join(timeout=max(1, left() - 100))
+    say(f"dynctl deploy of the strict server: rc {deployed.get('rc')}")
+    if deployed.get("rc") == 0 and left() > 45:
+        strict = Server("strict", 30004)
+        strict.log = os.path.join(ENV, "dynwork-strict", "server.log")
+        dynctl(denv, "status", "--host", "strict")
+        soak(strict, denv, n, flips=int(os.environ.get("FLIPS", "1000")))
+    if "skip" in servers:
+        dynctl(denv, "threshold", str(n), "--yes", "--host", "skip")
+        measure("skip", None, f"skip-t{n}")
+
+
+def correctness(servers, p, n):
+    """Greedy outputs at 0, N, -1 and flipping 0 <-> -1 every 0.3 s, scored on the no-spec server."""
+    p8 = os.path.join(RES, "prompts8.json")
+    json.dump(json.load(open(p))[:8], open(p8, "w"))
+    outs = []
+    for name in ("warm", "skip"):
+        s = servers.get(name)
+        if s is None:
+            continue
+        for v in (0, n, -1):
+            set_threshold(s, v)
+            outs.append((p, gen(s, f"{name}-t{v}-c8", p, concurrency=8)))
+        outs.append((p8, gen(s, f"{name}-flip-c1", p8, concurrency=1, flip_threshold="0,-1", flip_every=0.3)))
+        outs.append((p, gen(s, f"{name}-flip-c8", p, concurrency=8, flip_threshold="0,-1", flip_every=0.3)))
+        say(f"{name}: transition lines {len(s.grep(r'Speculation (disabled|enabled)'))}")
+    ns = servers.get("nospec")
+    if ns is None or not outs:
+        return
+    outs.insert(0, (p, gen(ns, "nospec-c8", p, concurrency=8)))
+    rows = []
+    for pf in (p, p8):
+        files = [f for (q, f) in outs if q == pf]
+        if files:
+            rows += client.cmd_score(client.Args(url=ns.url, prompts=pf, files=files,
+                                                 out=os.path.join(RES, f"score-{len(rows)}.json")))
+    json.dump(rows, open(os.path.join(RES, "score.json"), "w"), indent=1)
+    for r in rows:
+        say("score: " + json.dumps(r))
+
+
+def gen(s, label, prompts, **kw):
+    out = os.path.join(RES, f"gen-{label}.json")
+    client.cmd_gen(client.Args(url=s.url, prompts=prompts, out=out, **kw))
+    return out
+
+
+def soak(s, denv, n, flips):
+    stop = threading.Event()
+    load = {}
+
+    def run_load():
+        load["row"] = client.sweep_level(s.url, 48, PROMPTS, 128, warmup=0.5, window=1.0,
+                                         windows=max(1, int(flips * float(os.environ.get("FLIP_EVERY", "0.05")))),
+                                         logprob_every=5)
+
+    th = threading.Thread(target=run_load)
+    th.start()
+    done, errs, t = 0, 0, time.time()
+    while done < flips and th.is_alive() and left() > 25:
+        try:
+            client.set_threshold(s.url, 0 if done % 2 == 0 else -1)
+        except Exception:  # noqa: BLE001
+            errs += 1
+        done += 1
+        time.sleep(float(os.environ.get("FLIP_EVERY", "0.05")))
+    th.join()
+    stop.set()
+    rc, _ = dynctl(denv, "threshold", str(n), "--yes", "--host", "strict")
+    health = client.generate(s.url, [5, 6, 7, 8], 4)
+    row = load.get("row", {})
+    say(f"soak: {done} flips in {time.time() - t:.0f}s ({errs} failed); load c48 with logprobs every 5th: "
+        f"{row.get('tok_s')} tok/s, {row.get('errors')} request errors; health generate "
+        f"{health.get('output_ids')}; transition lines {len(s.grep(r'Speculation (disabled|enabled)'))}; "
+        f"error-looking lines {len(s.grep(r'Traceback|NaN|nan detected|leak|memory leak'))}")
+    json.dump({"flips": done, "flip_errors": errs, "load": row}, open(os.path.join(RES, "soak.json"), "w"))
+
+
+def phase_check(a):
+    envs, m = setup(a.version, ["pristine", "patched"])
+    p = prompts_file()
+    p8 = os.path.join(RES, "prompts8.json")
+    json.dump(json.load(open(p))[:8], open(p8, "w"))
+    servers = start_all([
+        (Server(f"{a.version}-nospec", 30010, envs["pristine"], common_args(m, False)), None),
+        (Server(f"{a.version}-warm", 30011, envs["patched"],
+                common_args(m, True, ["--speculative-disable-batch-threshold", "2"])), None)])
+    s, ns = servers.get(f"{a.version}-warm"), servers.get(f"{a.version}-nospec")
+    outs = []
+    if s:
+        for l in graph_lines(s):
+            say(f"{s.name}: {l}")
+        outs.append((p, gen(s, "check-t2-c8", p, concurrency=8)))
+        for v in (0, -1):
+            set_threshold(s, v)
+            outs.append((p, gen(s, f"check-t{v}-c8", p, concurrency=8)))
+        outs.append((p8, gen(s, "check-flip-c1", p8, concurrency=1, flip_threshold="0,-1", flip_every=0.3)))
+        say(f"transition lines {len(s.grep(r'Speculation (disabled|enabled)'))}; decode: "
+            + " | ".join(decode_lines(s, 3)))
+        if left() > 120:
+            set_threshold(s, 0)
+            sweep(s, f"{a.version}-warm-t0", "1,16,64,256")
+    if ns and outs:
+        rows = []
+        for pf in (p, p8):
+            files = [f for (q, f) in outs if q == pf]
+            rows += client.cmd_score(client.Args(url=ns.url, prompts=pf, files=files,
+                                                 out=os.path.join(RES, f"score-check-{len(rows)}.json")))
+        for r in rows:
+            say("score: " + json.dumps(r))
+        if left() > 60:
+            sweep(ns, f"{a.version}-nospec", "1,16,64,256")
+    for x in servers.values():
+        x.stop()
+
+
+def phase_tp2(a):
+    """Tensor parallel 2 on two GPUs: the patched server (draft kept warm) under load while the
+    threshold flips 0 <-> -1 every 0.1 s; no hang, transition lines and gauges from TP rank 0 only."""
+    envs, m = setup(a.version, ["patched"])
+    prompts_file()
+    env = dict(envs["patched"], NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+    s = Server("tp2", 30020, env, common_args(m, True, ["--tp", "2", "--speculative-disable-batch-threshold", "2"]))
+    s.launch()
+    if not s.wait_ready(timeout=max(30, left() - 40)):
+        return
+    for l in graph_lines(s):
+        say(f"tp2: {l}")
+    stop = threading.Event()
+    flips = [0, 0]
+
+    def flipper():
+        while not stop.wait(0.1):
+            try:
+                client.set_threshold(s.url, 0 if flips[0] % 2 == 0 else -1)
+            except Exception:  # noqa: BLE001
+                flips[1] += 1
+            flips[0] += 1
+
+    th = threading.Thread(target=flipper)
+    th.start()
+    row = client.sweep_level(s.url, 16, PROMPTS, 128, warmup=0.5, window=1.0,
+                             windows=max(3, min(20, int(left() - 25))))
+    stop.set()
+    th.join()
+    health = client.generate(s.url, [5, 6, 7, 8], 4)
+    trans = s.grep(r"Speculation (disabled|enabled)")
+    ranks = sorted(set(re.findall(r"TP(\d+)\]", " ".join(trans))))
+    gauges = [l for l in client.get(s.url, "/metrics").splitlines() if l.startswith("sglang:spec_enabled")]
+    say(f"tp2: {flips[0]} flips ({flips[1]} failed) under c16 load: {row['tok_s']} tok/s, {row['errors']} request "
+        f"errors; health generate {health.get('output_ids')}; transition lines {len(trans)} from TP ranks "
+        f"{ranks}; spec_enabled series {gauges}; error-looking lines "
+        f"{len(s.grep(r'Traceback|NCCL|Watchdog|timeout'))}")
+    s.stop()
+
+
+def finish(phase, version):
+    out = os.environ.get("OUT")
+    if not out:
+        return
+    tag = f"{phase}-{version}"
+    sweeps = {os.path.basename(f)[6:-5]: json.load(open(f)) for f in glob.glob(os.path.join(RES, "sweep-*.json"))}
+    json.dump(sweeps, open(os.path.join(out, f"sweeps-{tag}.json"), "w"))
+    with tarfile.open(os.path.join(out, f"results-{tag}.tar.gz"), "w:gz") as t:
+        for p in glob.glob(os.path.join(RES, "*")) + glob.glob(os.path.join(ENV, "dynwork-*", "server.log")):
+            t.add(p, arcname=os.path.relpath(p, ENV))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("phase", choices=["speed", "check", "tp2"])
+    ap.add_argument("--version", default="0.5.12.post1")
+    ap.add_argument("--threshold", type=int, default=8,
+                    help="speed: the threshold dynctl deploys before the sweeps give its own recommendation")
+    a = ap.parse_args()
+    os.makedirs(RES, exist_ok=True)
+    global SUMMARY_FILE
+    if os.environ.get("OUT"):
+        SUMMARY_FILE = os.path.join(os.environ["OUT"], f"summary-{a.phase}-{a.version}.txt")
+    signal.signal(signal.SIGTERM, lambda signum, frame: (_ for _ in ()).throw(SystemExit(f"signal {signum}")))
+    say("gpu: " + subprocess.run("nvidia-smi --query-gpu=name,memory.used,memory.total,driver_version "
+                                 "--format=csv,noheader", shell=True, text=True, capture_output=True).stdout.strip())
+    try:
+        {"speed": phase_speed, "check": phase_check, "tp2": phase_tp2}[a.phase](a)
+    finally:
+        say(f"phase {a.phase} {a.version} done in {time.time() - T0:.0f}s")
+        finish(a.phase, a.version)
+
+
+if __name__ == "__main__":
+    main()
