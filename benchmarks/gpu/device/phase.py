@@ -4,19 +4,18 @@
 Run from the repository root on the GPU machine, the carry folder (default .gpu, see prepare.sh)
 next to it; one call per phase, each within the device's 10-minute limit:
 
-  python3 .gpu/bin/phase.py speed --version 0.5.12.post1   # no-spec, pristine EAGLE-3, patched (draft
-                                                           # kept warm / skipped) at -1 and 0: sweeps
-  python3 .gpu/bin/phase.py more  --version 0.5.12.post1   # threshold N (dynctl's recommendation from
-                                                           # the speed phase) through `dynctl threshold`,
-                                                           # `dynctl deploy` of a strict-checking server,
-                                                           # 1,000 flips under load, logprobs, and greedy
-                                                           # outputs scored on the no-spec server
+  python3 .gpu/bin/phase.py speed --version 0.5.12.post1   # no-spec, pristine EAGLE-3, the patched tree
+                                                           # with the draft kept warm and skipped, and a
+                                                           # server `dynctl deploy` patches and starts:
+                                                           # sweeps at 0, -1 and N (dynctl's own
+                                                           # recommendation), greedy outputs scored on
+                                                           # the no-spec server, 1,000 flips under load
   python3 .gpu/bin/phase.py check --version 0.5.11         # correctness only (outputs, flips, scoring)
+  python3 .gpu/bin/phase.py tp --tp 2 --version 0.5.12.post1   # TP N: flips under load, no hang
 
-Servers are started in their own session and left running between calls, so a `more` call that
-follows a `speed` call on the still-warm machine reuses them ($GPU_ENV/servers.json); a fresh machine
-starts what it needs. Results land in $GPU_ENV/results and are returned in $OUT
-(results-<phase>-<version>.tar.gz, summary-<phase>-<version>.txt, sweeps-<version>.json).
+Servers run in their own session; their logs, the sweeps and the scores land in $GPU_ENV/results and
+come back in $OUT (results-<phase>-<version>.tar.gz, summary-<phase>-<version>.txt,
+sweeps-<phase>-<version>.json); `summarize.py` turns a run into benchmarks/gpu/results/<version>.json.
 """
 import argparse
 import glob
@@ -40,7 +39,6 @@ import client  # noqa: E402
 
 ENV = os.environ.get("GPU_ENV", "/tmp/gpuenv")
 RES = os.path.join(ENV, "results")
-STATE = os.path.join(ENV, "servers.json")
 T0 = time.time()
 BUDGET = float(os.environ.get("PHASE_BUDGET_S", "560"))
 LEVELS = os.environ.get("LEVELS", "1,2,4,8,16,32,64,128,256")
@@ -131,7 +129,8 @@ def models():
                                          else os.path.join(ENV, "models"))
     if not os.path.exists(os.path.join(d, "draft", "model.safetensors")):
         t = time.time()
-        r = subprocess.run([sys.executable, os.path.join(HERE, "make_models.py"), "--out", d],
+        shape = os.environ.get("GPU_MODEL_ARGS", "").split()  # e.g. "--hidden 8192 --heads 64" for TP 8
+        r = subprocess.run([sys.executable, os.path.join(HERE, "make_models.py"), "--out", d] + shape,
                            text=True, capture_output=True, env=dict(os.environ, PYTHONPATH=os.path.join(ENV, "site")))
         for line in (r.stdout + r.stderr).strip().splitlines()[-6:]:
             say("models: " + line)
@@ -251,24 +250,6 @@ class Server:
         say(f"{self.name}: stopped; error-looking lines {len(bad)}" + ("\n  " + "\n  ".join(bad[:8]) if bad else ""))
 
 
-def load_state():
-    try:
-        rows = json.load(open(STATE))
-    except (OSError, ValueError):
-        return {}
-    out = {}
-    for r in rows:
-        s = Server(r["name"], r["port"], pid=r["pid"])
-        if s.alive():
-            out[s.name] = s
-    return out
-
-
-def save_state(servers):
-    json.dump([{"name": s.name, "port": s.port, "pid": s.pid} for s in servers.values() if s.alive()],
-              open(STATE, "w"))
-
-
 def common_args(m, spec, extra=()):
     a = ["--model-path", os.path.join(m, "target"), "--skip-tokenizer-init", "--dtype", "bfloat16",
          "--attention-backend", "triton", "--sampling-backend", "pytorch", "--disable-radix-cache",
@@ -279,7 +260,7 @@ def common_args(m, spec, extra=()):
         a += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", os.path.join(m, "draft"),
               "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
               "--speculative-num-draft-tokens", "4"]
-    return a + list(extra)
+    return a + os.environ.get("GPU_SERVER_ARGS", "").split() + list(extra)
 
 
 def start_all(specs):
@@ -433,7 +414,6 @@ def phase_speed(a):
         s.launch()
     deployer.start()
     servers = {s.name: s for s in plan if s.wait_ready()}
-    save_state(servers)
     deployer.join(timeout=120)  # its graph capture would disturb the first sweep
     for s in servers.values():
         for l in graph_lines(s):
@@ -580,18 +560,19 @@ def phase_check(a):
         x.stop()
 
 
-def phase_tp2(a):
-    """Tensor parallel 2 on two GPUs: the patched server (draft kept warm) under load while the
-    threshold flips 0 <-> -1 every 0.1 s; no hang, transition lines and gauges from TP rank 0 only."""
+def phase_tp(a):
+    """Tensor parallel --tp N on N GPUs: the patched server under load while the threshold flips
+    0 <-> -1 every 0.1 s; no hang, transition lines and gauges from TP rank 0 only."""
     envs, m = setup(a.version, ["patched"])
     prompts_file()
     env = dict(envs["patched"], NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
-    s = Server("tp2", 30020, env, common_args(m, True, ["--tp", "2", "--speculative-disable-batch-threshold", "2"]))
+    s = Server(f"tp{a.tp}", 30020, env,
+               common_args(m, True, ["--tp", str(a.tp), "--speculative-disable-batch-threshold", "2"]))
     s.launch()
     if not s.wait_ready(timeout=max(30, left() - 40)):
         return
     for l in graph_lines(s):
-        say(f"tp2: {l}")
+        say(f"{s.name}: {l}")
     stop = threading.Event()
     flips = [0, 0]
 
@@ -613,7 +594,7 @@ def phase_tp2(a):
     trans = s.grep(r"Speculation (disabled|enabled)")
     ranks = sorted(set(re.findall(r"TP(\d+)\]", " ".join(trans))))
     gauges = [l for l in client.get(s.url, "/metrics").splitlines() if l.startswith("sglang:spec_enabled")]
-    say(f"tp2: {flips[0]} flips ({flips[1]} failed) under c16 load: {row['tok_s']} tok/s, {row['errors']} request "
+    say(f"{s.name}: {flips[0]} flips ({flips[1]} failed) under c16 load: {row['tok_s']} tok/s, {row['errors']} request "
         f"errors; health generate {health.get('output_ids')}; transition lines {len(trans)} from TP ranks "
         f"{ranks}; spec_enabled series {gauges}; error-looking lines "
         f"{len(s.grep(r'Traceback|NCCL|Watchdog|timeout'))}")
@@ -634,7 +615,8 @@ def finish(phase, version):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("phase", choices=["speed", "check", "tp2"])
+    ap.add_argument("phase", choices=["speed", "check", "tp"])
+    ap.add_argument("--tp", type=int, default=2, help="tp: tensor parallel size (GPUs)")
     ap.add_argument("--version", default="0.5.12.post1")
     ap.add_argument("--threshold", type=int, default=8,
                     help="speed: the threshold dynctl deploys before the sweeps give its own recommendation")
@@ -647,7 +629,7 @@ def main():
     say("gpu: " + subprocess.run("nvidia-smi --query-gpu=name,memory.used,memory.total,driver_version "
                                  "--format=csv,noheader", shell=True, text=True, capture_output=True).stdout.strip())
     try:
-        {"speed": phase_speed, "check": phase_check, "tp2": phase_tp2}[a.phase](a)
+        {"speed": phase_speed, "check": phase_check, "tp": phase_tp}[a.phase](a)
     finally:
         say(f"phase {a.phase} {a.version} done in {time.time() - T0:.0f}s")
         finish(a.phase, a.version)
