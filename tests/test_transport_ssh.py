@@ -239,6 +239,71 @@ def test_silent_port_times_out_on_the_banner(sshd: FakeHost):
         assert time.monotonic() - start < 4
 
 
+class _Peer:
+    """A TCP port that is not SSH: it answers like an HTTP server, or closes after `close_after` seconds."""
+
+    def __init__(self, *, answer: bytes = b"", close_after: float = 0.0) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.port = self.sock.getsockname()[1]
+        self.answer, self.close_after = answer, close_after
+        self.done = threading.Event()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while not self.done.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                if self.answer:
+                    conn.recv(256)  # the client's SSH banner, read as a request line
+                    conn.sendall(self.answer)
+                # what the peer does, not test synchronisation: it holds the connection, then closes
+                self.done.wait(self.close_after)
+
+    def close(self) -> None:
+        self.done.set()
+        self.sock.close()
+
+
+@pytest.fixture
+def peer():
+    made: list[_Peer] = []
+
+    def make(**kw) -> _Peer:
+        made.append(_Peer(**kw))
+        return made[-1]
+
+    yield make
+    for p in made:
+        p.close()
+
+
+def test_a_port_that_speaks_http_is_not_an_ssh_server(sshd: FakeHost, peer):
+    http = peer(answer=b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+    t = SSH(SSHTarget("root", "127.0.0.1", http.port), known_hosts_path=str(sshd.trusted_known_hosts()),
+            identity_file=str(sshd.client_key), connect_timeout=10)
+    with pytest.raises(UnreachableError) as info:
+        t.run(["true"])
+    assert f"127.0.0.1:{http.port} is not an SSH server: it answered 'HTTP/1.1 400 Bad Request'" in str(info.value)
+    assert info.value.exit_code == 4
+
+
+def test_a_peer_that_closes_is_reported_as_closed_not_as_a_timeout(sshd: FakeHost, peer):
+    closing = peer(close_after=1.0)
+    t = SSH(SSHTarget("root", "127.0.0.1", closing.port), known_hosts_path=str(sshd.trusted_known_hosts()),
+            identity_file=str(sshd.client_key), connect_timeout=10)
+    with pytest.raises(UnreachableError) as info:
+        t.run(["true"])
+    message = str(info.value)
+    assert f"127.0.0.1:{closing.port} closed the connection after 1." in message
+    assert "before sending an SSH banner" in message
+    assert "within" not in message  # it did not wait for the 10 s timeout, and does not say so
+
+
 def test_wrong_key_is_an_auth_failure_without_key_material(sshd: FakeHost, tmp_path: Path):
     wrong = generate_key(tmp_path / "wrong_ed25519")
     t = sshd.ssh(identity_file=str(wrong))
