@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -44,9 +45,10 @@ def sshd_factory(tmp_path_factory: pytest.TempPathFactory, sshd: FakeHost) -> It
     """Start extra sshds (same client key as `sshd` unless share_key=False); all stopped after the test."""
     started: list[FakeHost] = []
 
-    def start(host: str = "127.0.0.1", *, share_key: bool = True, max_sessions: int = 10) -> FakeHost:
+    def start(host: str = "127.0.0.1", *, share_key: bool = True, max_sessions: int = 10,
+              extra_config: Callable[[Path], str] | None = None) -> FakeHost:
         fh = start_fake_host(tmp_path_factory.mktemp("extra-sshd"), host=host, max_sessions=max_sessions,
-                             client_key=sshd.client_key if share_key else None)
+                             client_key=sshd.client_key if share_key else None, extra_config=extra_config)
         started.append(fh)
         return fh
 

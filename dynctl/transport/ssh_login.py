@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import paramiko
 
 from dynctl.errors import ConfigError, HostKeyError, UnreachableError
-from dynctl.transport.known_hosts import AcceptNewPolicy, KnownHosts, changed_key_error
+from dynctl.transport.known_hosts import HostKeyPolicy, KnownHosts
 from dynctl.transport.ssh_route import Hop
 
 # paramiko's transport thread logs its own failures, tracebacks included; with no handler configured
@@ -87,8 +87,9 @@ class Login:
     def login(self, hop: Hop, sock: socket.socket | paramiko.Channel, label: str) -> paramiko.SSHClient:
         keys = self._identity_files(hop)
         client = paramiko.SSHClient()
-        self.known_hosts.load_into(client)
-        client.set_missing_host_key_policy(AcceptNewPolicy(self.known_hosts, self.accept_new, label))
+        # paramiko gets no known keys: every decision is the policy's, which reads known_hosts as OpenSSH does.
+        policy = HostKeyPolicy(self.known_hosts, hop.known_hosts_name, hop.hostname, self.accept_new, label)
+        client.set_missing_host_key_policy(policy)
         # One channel per hop address keeps the number of loggers bounded however often we reconnect.
         wire = logging.getLogger(f"{_WIRE_LOG}.{hop.hostname.replace('.', '_')}_{hop.port}")
         peer = _PeerLines()
@@ -102,14 +103,11 @@ class Login:
             # silently and fails later with a misleading "No existing session".
             client.connect(hop.hostname, hop.port, username=hop.user, sock=sock, key_filename=keys or None,
                            look_for_keys=not keys, allow_agent=not hop.identities_only, timeout=2 * t,
-                           banner_timeout=t, auth_timeout=t, channel_timeout=t)
+                           banner_timeout=t, auth_timeout=t, channel_timeout=t,
+                           transport_factory=policy.transport_factory)
         except HostKeyError:
             client.close()
             raise
-        except paramiko.BadHostKeyException as err:
-            client.close()
-            raise changed_key_error(label, hop.known_hosts_name, self.known_hosts, err.key,
-                                    err.expected_key) from None
         except paramiko.PasswordRequiredException:
             client.close()
             raise UnreachableError(f"{label}: identity file {', '.join(keys)} is passphrase-protected; "
