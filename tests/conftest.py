@@ -55,3 +55,45 @@ def sshd_factory(tmp_path_factory: pytest.TempPathFactory, sshd: FakeHost) -> It
     yield start
     for fh in reversed(started):
         fh.stop()
+
+
+@pytest.fixture(scope="session")
+def demo_template(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """A prepared demo host per sglang version, for tests to copy (the wheel is installed once per session)."""
+    from dynctl.sim.hostsetup import prepare_demo_host
+    from sglang_trees import sglang_wheel
+
+    made: dict[str, Path] = {}
+
+    def get(version: str = "0.5.9") -> Path:
+        if version not in made:
+            root = tmp_path_factory.mktemp(f"demo-template-{version}")
+            prepare_demo_host(root / "demo", sglang_version=version, cache_dir=sglang_wheel(version).parent)
+            made[version] = root / "demo"
+        return made[version]
+
+    return get
+
+
+@pytest.fixture
+def demo_box(sshd: FakeHost, demo_template, tmp_path: Path) -> Iterator[Callable[..., Path]]:
+    """make(version="0.5.9", **env) -> config path: a private demo host in pct container 129 on the test sshd.
+
+    Whatever server it started is stopped afterwards (by dynctl, then by its environment marker).
+    """
+    from demo_box import dynctl, kill_servers_of, make_demo_box
+
+    from dynctl.config import load_config
+    from dynctl.transport import close_all
+
+    made: list[Path] = []
+
+    def make(version: str = "0.5.9", **env: str) -> Path:
+        made.append(make_demo_box(sshd, demo_template(version), tmp_path, version, **env))
+        return made[-1]
+
+    yield make
+    close_all()
+    for config in made:
+        dynctl("stop", "--yes", "--grace", "5", config=config)
+        kill_servers_of(Path(load_config(config).host(None).workdir))

@@ -75,14 +75,6 @@ def test_unreachable_hosts_exit_4(fleet, host, fragment):
     assert fragment in out.stderr
 
 
-def test_unknown_host_key_is_refused(sshd, tmp_path):
-    config = sshd.write_config(tmp_path / "dynctl.toml", {"box": {"ssh": sshd.target, "python": sys.executable}})
-    config.with_name("dynctl.known_hosts").write_text("")  # trust nothing
-    out = dynctl("status", config=config)
-    assert out.returncode == 4
-    assert "SHA256:" in out.stderr and "accept_new_host_key" in out.stderr
-
-
 def test_missing_python_on_the_host_exit_3(sshd, tmp_path):
     config = sshd.write_config(tmp_path / "dynctl.toml",
                                {"box": {"ssh": sshd.target, "python": "/opt/nowhere/bin/python3"}})
