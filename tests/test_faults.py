@@ -412,10 +412,10 @@ def test_a_passphrase_protected_key_is_named_not_shown(sshd: FakeHost, tmp_path:
 @pytest.mark.slow
 def test_env_secrets_and_key_material_are_never_printed(serving: Path, sshd: FakeHost):
     """Every read-only command, and refusals, on a host whose env holds a token."""
-    commands = [["status"], ["status", "--json"], ["hosts"], ["hosts", "--json"], ["deploy", "--threshold", "5",
-                "--dry-run"], ["deploy", "--threshold", "5", "--dry-run", "--json"], ["releases"], ["logs", "-n", "200"],
-                ["patch", "status"], ["patch", "diff"], ["deploy", "--threshold", "5"], ["threshold", "3", "--yes"],
-                ["start", "--yes"]]
+    commands = [["status"], ["status", "--json"], ["hosts"], ["hosts", "--json"],
+                ["deploy", "--threshold", "5", "--dry-run"], ["deploy", "--threshold", "5", "--dry-run", "--json"],
+                ["releases"], ["logs", "-n", "200"], ["patch", "status"], ["patch", "diff"],
+                ["deploy", "--threshold", "5"], ["threshold", "3", "--yes"], ["start", "--yes"]]
     material = key_material(sshd.client_key)
     seen = 0
     for argv in commands:
@@ -618,7 +618,8 @@ def test_foreign_process_on_the_port_is_refused_and_left_alone(box):
         assert f"port {s.host.port} is held by pid {os.getpid()}" in out.stderr
         assert core.list_releases(s.agent) == []
         stop = dynctl("stop", "--yes", config=config)
-        assert stop.returncode == 0 and f"held by pid {os.getpid()}, which dynctl does not manage" in one_line(stop.stdout)
+        assert stop.returncode == 0
+        assert f"held by pid {os.getpid()}, which dynctl does not manage" in one_line(stop.stdout)
     assert tree_sha256(config) == pristine
 
 

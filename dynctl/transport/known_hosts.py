@@ -1,9 +1,10 @@
 """Host keys the OpenSSH way: the user's known_hosts read-only, dynctl's own file for accept-new.
 
-The files are read as sshd(8) documents them under SSH_KNOWN_HOSTS FILE FORMAT: comma-separated patterns with `*`, `?` and `!` negation, `[host]:port`, hashed names (`|1|salt|hmac`),
-and the markers `@cert-authority` (a CA whose host certificates are trusted for those hosts) and
-`@revoked` (a key never to accept). A line dynctl cannot read is skipped with a warning, as OpenSSH
-skips it; it never makes every connection fail.
+The files are read as sshd(8) documents them under SSH_KNOWN_HOSTS FILE FORMAT: comma-separated
+patterns with `*`, `?` and `!` negation, `[host]:port`, hashed names (`|1|salt|hmac`), and the markers
+`@cert-authority` (a CA whose host certificates are trusted for those hosts) and `@revoked` (a key never
+to accept). A line dynctl cannot read is skipped with a warning, as OpenSSH skips it; it never makes
+every connection fail.
 
 A revoked key is always refused; a host certificate is accepted when a matching @cert-authority signed
 it and it is valid for the host; otherwise the plain key decides: known and equal is accepted, a
@@ -67,9 +68,6 @@ class Entry:
     patterns: tuple[str, ...]
     key: paramiko.PKey
 
-    def matches(self, name: str) -> bool:
-        return host_matches(self.patterns, name)
-
     @property
     def where(self) -> str:
         return f"{self.path}:{self.lineno}"
@@ -126,8 +124,11 @@ def parse_line(text: str) -> tuple[str | None, tuple[str, ...], str, str] | None
     return marker, patterns, fields[1], fields[2]
 
 
-def read_entries(path: Path) -> list[Entry]:
-    """Every line of `path` dynctl can use; the others are reported once and skipped."""
+def read_entries(path: Path, name: str) -> list[Entry]:
+    """The lines of `path` for host `name` that dynctl can use; the others are reported once and skipped.
+
+    A line's key is decoded only when its patterns match: a large file costs one pattern test per line.
+    """
     try:
         text = path.read_bytes().decode("utf-8", errors="replace")
     except OSError as err:
@@ -136,19 +137,24 @@ def read_entries(path: Path) -> list[Entry]:
     for lineno, line in enumerate(text.splitlines(), start=1):
         try:
             parsed = parse_line(line)
-            if parsed is None:
-                continue
-            marker, patterns, key_type, b64 = parsed
-            try:
-                blob = base64.b64decode(b64, validate=True)
-            except (ValueError, binascii.Error):
-                raise ValueError("the key is not valid base64") from None
+        except ValueError as err:
+            _warn_once(path, lineno, str(err))
+            continue
+        if parsed is None or not host_matches(parsed[1], name):
+            continue
+        marker, patterns, key_type, b64 = parsed
+        try:
+            blob = base64.b64decode(b64, validate=True)
+        except (ValueError, binascii.Error):
+            _warn_once(path, lineno, "the key is not valid base64")
+            continue
+        try:
             key = paramiko.PKey.from_type_string(key_type, blob)
         except paramiko.UnknownKeyType:
-            _warn_once(path, lineno, f"key type {parsed[2]!r} is not supported by dynctl")
+            _warn_once(path, lineno, f"key type {key_type!r} is not supported by dynctl")
             continue
-        except (ValueError, paramiko.SSHException, TypeError, IndexError) as err:
-            _warn_once(path, lineno, str(err) or "not a known_hosts line")
+        except (paramiko.SSHException, ValueError, TypeError, IndexError) as err:
+            _warn_once(path, lineno, f"unreadable {key_type} key ({err or type(err).__name__})")
             continue
         entries.append(Entry(path, lineno, marker, patterns, key))
     return entries
@@ -166,7 +172,7 @@ class KnownHosts:
 
     def entries_for(self, name: str) -> list[Entry]:
         """The lines of every file whose patterns match `name` (read afresh: another process may have added one)."""
-        return [e for path in self.files() for e in read_entries(path) if e.matches(name)]
+        return [e for path in self.files() for e in read_entries(path, name)]
 
     def remember(self, name: str, key: paramiko.PKey) -> None:
         """Append `name key` to dynctl's own file atomically; other processes are serialised by flock."""
