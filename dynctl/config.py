@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from dynctl.errors import ConfigError
+from dynctl.errors import ConfigError, UsageError
 
 DEFAULT_LAUNCH = ("{python}", "-m", "sglang.launch_server")
 LOCAL_HOST = "local"
@@ -75,6 +75,11 @@ class Config:
 
     def host(self, name: str | None) -> HostConfig:
         """The host called `name`, else the default host, else this machine."""
+        if name is not None and not name.strip():
+            # `--host "$HOST"` with HOST unset must not quietly act on the default host.
+            known = ", ".join(sorted(self.hosts)) or f"none; '{LOCAL_HOST}' is this machine"
+            raise UsageError(f"--host: empty host name {name!r}; give a host defined in {self._where} ({known}), "
+                             "or leave --host out for the default host")
         chosen = name or self.default_host
         if chosen is None:
             if len(self.hosts) == 1:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dynctl import events, operations
-from dynctl.agent import AgentClient, AgentError
+from dynctl.agent import AgentClient
 from dynctl.config import HostConfig
 from dynctl.errors import OperationFailed, PreflightError, UsageError
 from dynctl.lifecycle import server_argv
@@ -171,10 +171,7 @@ def set_threshold(agent: AgentClient, threshold: Any) -> dict[str, Any]:
     if state.status != "applied":
         raise PreflightError(f"{agent.host.name}: the patch is not in force ({state.detail}); "
                              f"run `dynctl deploy --threshold {value}` first")
-    try:
-        answer = agent.call("set_threshold", threshold=value)  # raises unless every scheduler reads back `value`
-    except AgentError as err:
-        raise OperationFailed(f"{err} (is the running server the patched release?)") from None
+    answer = agent.call("set_threshold", threshold=value)  # raises unless every scheduler reads back `value`
     return {"requested": value, "in_force": answer["threshold"]}
 
 

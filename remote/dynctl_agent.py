@@ -742,21 +742,45 @@ def set_threshold(ctx, threshold, host="127.0.0.1", port=None, timeout=10.0, **_
     body = json.dumps({"server_args": {_BENCH_THRESHOLD_KEY: threshold}}).encode()
     req = urllib.request.Request(_bench_url(host, port, "/set_internal_state"), data=body, method="POST",
                                  headers={"Content-Type": "application/json"})
+    where = "%s:%d" % (host, port)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             resp.read()
+    except (OSError, ValueError) as err:
+        reason = getattr(err, "reason", None)
+        if isinstance(err, ConnectionRefusedError) or isinstance(reason, ConnectionRefusedError):
+            # Nothing was sent, so nothing changed ("down": exit 3), unlike a request that failed half-way.
+            raise AgentError("no server is listening on %s, so there is no live threshold to change; start "
+                             "it (dynctl start), or deploy the threshold (dynctl deploy --threshold %d), which "
+                             "starts it" % (where, threshold), "down") from None
+        raise AgentError("server at %s: cannot change the threshold: /set_internal_state %s"
+                         % (where, _threshold_http_failure(err, timeout)), "failed") from None
+    try:
         info = _bench_server_info(host, port, timeout)
     except (OSError, ValueError) as err:
-        raise AgentError("server at %s:%d: cannot change the threshold: %s" % (host, port, err), "failed") from None
+        raise AgentError("server at %s took the threshold change, but reading it back failed: /server_info %s"
+                         % (where, _threshold_http_failure(err, timeout)), "failed") from None
     in_force = _bench_thresholds(info)
     if not in_force:  # /set_internal_state answers "updated" even for keys it ignores: trust the read-back
-        raise AgentError("server at %s:%d has no %s in /server_info internal_states: it is not patched, so "
-                         "the threshold cannot change live" % (host, port, _BENCH_THRESHOLD_KEY), "preflight")
+        raise AgentError("server at %s has no %s in /server_info internal_states: it is not patched, so "
+                         "the threshold cannot change live" % (where, _BENCH_THRESHOLD_KEY), "preflight")
     if any(v != threshold for v in in_force):
-        raise AgentError("server at %s:%d did not take threshold %d: in force %s"
-                         % (host, port, threshold, in_force), "failed")
+        raise AgentError("server at %s did not take threshold %d: in force %s (is the running server the "
+                         "patched release?)" % (where, threshold, in_force), "failed")
     journal(ctx, "threshold.set", threshold=threshold)
     return {"threshold": threshold, "in_force": in_force}
+
+
+def _threshold_http_failure(err, timeout):
+    """What went wrong with one HTTP request to the server, in words (never urllib's repr)."""
+    if isinstance(err, urllib.error.HTTPError):
+        return "answered HTTP %d %s" % (err.code, err.reason)
+    reason = getattr(err, "reason", None) or err
+    if isinstance(reason, (socket.timeout, TimeoutError)):  # distinct classes before Python 3.10
+        return "got no answer within %g s" % timeout
+    if isinstance(reason, OSError) and reason.strerror:
+        return "failed: %s" % reason.strerror
+    return "failed: %s" % (reason or type(err).__name__)
 
 
 async def _bench_read_head(reader):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -44,12 +45,55 @@ def sshd_factory(tmp_path_factory: pytest.TempPathFactory, sshd: FakeHost) -> It
     """Start extra sshds (same client key as `sshd` unless share_key=False); all stopped after the test."""
     started: list[FakeHost] = []
 
-    def start(host: str = "127.0.0.1", *, share_key: bool = True, max_sessions: int = 10) -> FakeHost:
+    def start(host: str = "127.0.0.1", *, share_key: bool = True, max_sessions: int = 10,
+              extra_config: Callable[[Path], str] | None = None) -> FakeHost:
         fh = start_fake_host(tmp_path_factory.mktemp("extra-sshd"), host=host, max_sessions=max_sessions,
-                             client_key=sshd.client_key if share_key else None)
+                             client_key=sshd.client_key if share_key else None, extra_config=extra_config)
         started.append(fh)
         return fh
 
     yield start
     for fh in reversed(started):
         fh.stop()
+
+
+@pytest.fixture(scope="session")
+def demo_template(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """A prepared demo host per sglang version, for tests to copy (the wheel is installed once per session)."""
+    from dynctl.sim.hostsetup import prepare_demo_host
+    from sglang_trees import sglang_wheel
+
+    made: dict[str, Path] = {}
+
+    def get(version: str = "0.5.9") -> Path:
+        if version not in made:
+            root = tmp_path_factory.mktemp(f"demo-template-{version}")
+            prepare_demo_host(root / "demo", sglang_version=version, cache_dir=sglang_wheel(version).parent)
+            made[version] = root / "demo"
+        return made[version]
+
+    return get
+
+
+@pytest.fixture
+def demo_box(sshd: FakeHost, demo_template, tmp_path: Path) -> Iterator[Callable[..., Path]]:
+    """make(version="0.5.9", **env) -> config path: a private demo host in pct container 129 on the test sshd.
+
+    Whatever server it started is stopped afterwards (by dynctl, then by its environment marker).
+    """
+    from demo_box import dynctl, kill_servers_of, make_demo_box
+
+    from dynctl.config import load_config
+    from dynctl.transport import close_all
+
+    made: list[Path] = []
+
+    def make(version: str = "0.5.9", **env: str) -> Path:
+        made.append(make_demo_box(sshd, demo_template(version), tmp_path, version, **env))
+        return made[-1]
+
+    yield make
+    close_all()
+    for config in made:
+        dynctl("stop", "--yes", "--grace", "5", config=config)
+        kill_servers_of(Path(load_config(config).host(None).workdir))

@@ -16,7 +16,7 @@ import socket
 import subprocess
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -143,7 +143,7 @@ class SSHServer:
 
 def start_sshd(tmp: Path, *, host_key: Path, authorized_keys: Path, env: Mapping[str, str], marker: str,
                host: str = "127.0.0.1", port: int | None = None, max_sessions: int = 10,
-               tries: int = 5) -> SSHServer:
+               tries: int = 5, extra_config: str = "") -> SSHServer:
     use_pam = "yes" if os.geteuid() == 0 and root_account_locked() else "no"
     if os.geteuid() == 0:
         os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # privilege separation directory
@@ -157,7 +157,7 @@ def start_sshd(tmp: Path, *, host_key: Path, authorized_keys: Path, env: Mapping
         cfg = tmp / "sshd_config"
         cfg.write_text(SSHD_CONFIG.format(port=chosen, host=host, host_key=host_key, tmp=tmp,
                                           authorized_keys=authorized_keys, use_pam=use_pam,
-                                          max_sessions=max_sessions, set_env=set_env))
+                                          max_sessions=max_sessions, set_env=set_env) + extra_config)
         with open(log, "ab") as logf:
             proc = subprocess.Popen([SSHD, "-D", "-e", "-f", str(cfg)], stdout=logf, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
@@ -281,8 +281,12 @@ def toml_value(value: Any) -> str:
 
 
 def start_fake_host(tmp: Path, *, host: str = "127.0.0.1", client_key: Path | None = None,
-                    marker: str | None = None, max_sessions: int = 10) -> FakeHost:
-    """Keys, shim and sshd under `tmp`; `client_key` shares one login key between several fake hosts."""
+                    marker: str | None = None, max_sessions: int = 10,
+                    extra_config: Callable[[Path], str] | None = None) -> FakeHost:
+    """Keys, shim and sshd under `tmp`; `client_key` shares one login key between several fake hosts.
+
+    `extra_config(host_key_path)` returns more sshd_config lines (e.g. a HostCertificate made for that key).
+    """
     if not os.path.exists(SSHD):
         raise RuntimeError("sshd not found: apt-get install -y openssh-server")
     tmp.mkdir(parents=True, exist_ok=True)
@@ -297,7 +301,8 @@ def start_fake_host(tmp: Path, *, host: str = "127.0.0.1", client_key: Path | No
     (tmp / "bin" / "pct").chmod(0o755)
     env = {"HOME": str(tmp / "home"), "PATH": f"{tmp / 'bin'}:{SYSTEM_PATH}", "PCT_SHIM_ROOT": str(tmp / "ct")}
     server = start_sshd(tmp, host_key=host_key, authorized_keys=authorized, env=env,
-                        marker=marker or uuid.uuid4().hex, host=host, max_sessions=max_sessions)
+                        marker=marker or uuid.uuid4().hex, host=host, max_sessions=max_sessions,
+                        extra_config=extra_config(host_key) if extra_config else "")
     keytype, b64 = Path(f"{host_key}.pub").read_text().split()[:2]
     name = host if server.port == 22 else f"[{host}]:{server.port}"
     return FakeHost(host=host, port=server.port, user=getpass.getuser(), client_key=client_key,

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -73,17 +75,38 @@ def test_unreachable_hosts_exit_4(fleet, host, fragment):
     assert fragment in out.stderr
 
 
-def test_unknown_host_key_is_refused(sshd, tmp_path):
-    config = sshd.write_config(tmp_path / "dynctl.toml", {"box": {"ssh": sshd.target, "python": sys.executable}})
-    config.with_name("dynctl.known_hosts").write_text("")  # trust nothing
-    out = dynctl("status", config=config)
-    assert out.returncode == 4
-    assert "SHA256:" in out.stderr and "accept_new_host_key" in out.stderr
-
-
 def test_missing_python_on_the_host_exit_3(sshd, tmp_path):
     config = sshd.write_config(tmp_path / "dynctl.toml",
                                {"box": {"ssh": sshd.target, "python": "/opt/nowhere/bin/python3"}})
     out = dynctl("status", config=config)
     assert out.returncode == 3
     assert "/opt/nowhere/bin/python3" in out.stderr and "not found" in out.stderr
+
+
+@pytest.mark.parametrize(("answer", "fragment"), [
+    (b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n", "is not an SSH server: it answered 'HTTP/1.1 400"),
+    (b"", "closed the connection after"),
+])
+def test_a_port_that_is_not_ssh_is_one_line_without_a_traceback(tmp_path, answer, fragment):
+    """paramiko's transport thread logs its own traceback; none of it may reach the operator's terminal."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        port = listener.getsockname()[1]
+
+        def serve() -> None:
+            with contextlib.suppress(OSError):
+                conn, _ = listener.accept()
+                with conn:
+                    conn.recv(256)
+                    conn.sendall(answer)
+
+        server = threading.Thread(target=serve, daemon=True)
+        server.start()
+        config = tmp_path / "dynctl.toml"
+        config.write_text(f'[hosts.web]\nssh = "root@127.0.0.1:{port}"\naccept_new_host_key = true\n')
+        out = dynctl("status", config=config)
+    assert out.returncode == 4, out.stdout + out.stderr
+    lines = out.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), out.stderr
+    assert f"127.0.0.1:{port}" in lines[0] and fragment in lines[0]

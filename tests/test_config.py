@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -117,19 +115,3 @@ def test_missing_explicit_config(tmp_path):
 def test_ssh_targets(text, user, host, port):
     t = parse_ssh_target(text)
     assert (t.user, t.host, t.port) == (user, host, port)
-
-
-def test_cli_config_error_exit_code(tmp_path):
-    path = write(tmp_path, "[hosts.a]\npct = 'x'\n")
-    proc = subprocess.run([sys.executable, "-m", "dynctl", "status", "--config", str(path)],
-                          capture_output=True, text=True)
-    assert proc.returncode == 2
-    assert "hosts.a.pct" in proc.stderr
-
-
-def test_cli_unknown_host_exit_code(tmp_path):
-    path = write(tmp_path, SPEC_EXAMPLE)
-    proc = subprocess.run([sys.executable, "-m", "dynctl", "status", "--config", str(path), "--host", "nobody"],
-                          capture_output=True, text=True)
-    assert proc.returncode == 2
-    assert "no host named 'nobody'" in proc.stderr

@@ -34,6 +34,7 @@ from dynctl.bench.report import comparison_rows, level_cells, level_headers, wri
 from dynctl.cli.common import (
     ConfigOpt,
     HostOpt,
+    NumbersCommand,
     YesOpt,
     confirm,
     console,
@@ -49,7 +50,7 @@ _SLO = re.compile(r"^[a-z0-9]+:")
 
 
 def register(app: typer.Typer) -> None:
-    app.command("bench")(bench)
+    app.command("bench", cls=NumbersCommand)(bench)
 
 
 @handle_errors

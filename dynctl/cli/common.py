@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -11,6 +12,7 @@ from typing import Any, TypeVar
 import typer
 from rich.console import Console
 from rich.markup import escape
+from typer.core import TyperCommand
 
 from dynctl.agent import AgentClient
 from dynctl.config import Config, HostConfig, load_config
@@ -27,6 +29,63 @@ ConfigOpt = typer.Option(None, "--config", "-c", help="Config file (else $DYNCTL
 JsonOpt = typer.Option(False, "--json", help="Machine-readable output.")
 VerboseOpt = typer.Option(False, "--verbose", "-v", help="Show every server log line while waiting.")
 YesOpt = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation (required when stdin is not a TTY).")
+
+
+_NEGATIVE_NUMBER = re.compile(r"-\d+(\.\d+)?")
+
+
+class NumbersCommand(TyperCommand):
+    """A command whose positional values may be negative numbers: `dynctl threshold -1`.
+
+    Click reads every word that starts with '-' as an option ("No such option: -1"). As argparse does
+    when no option looks like a number, a negative number that is not an option's value is a positional
+    value here: the positionals move behind `--`, in their order, before click parses.
+    """
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        return super().parse_args(ctx, negative_numbers_as_values(self.get_params(ctx), args))
+
+
+def negative_numbers_as_values(params: list[Any], args: list[str]) -> list[str]:
+    """`args` with its positional values after `--` when one of them is a negative number; else unchanged."""
+    values_taken: dict[str, int] = {}  # option name -> how many words follow it as its value
+    for param in params:
+        if getattr(param, "param_type_name", None) == "option":
+            taken = 0 if (getattr(param, "is_flag", False) or getattr(param, "count", False)) else param.nargs
+            for name in (*param.opts, *param.secondary_opts):
+                values_taken[name] = taken
+    options: list[str] = []
+    positionals: list[str] = []
+    i = 0
+    while i < len(args):
+        word = args[i]
+        i += 1
+        if word == "--":
+            positionals += args[i:]
+            break
+        if _NEGATIVE_NUMBER.fullmatch(word) or not word.startswith("-") or word == "-":
+            positionals.append(word)
+            continue
+        options.append(word)
+        taken = _values_after(word, values_taken)
+        options += args[i:i + taken]
+        i += taken
+    if not any(_NEGATIVE_NUMBER.fullmatch(w) for w in positionals):
+        return args
+    return [*options, "--", *positionals]
+
+
+def _values_after(word: str, values_taken: dict[str, int]) -> int:
+    """How many of the next words `word` (an option, or a cluster of short ones like -yH) takes as values."""
+    if word.startswith("--") or "=" in word:
+        return 0 if "=" in word else values_taken.get(word, 0)
+    if word in values_taken:
+        return values_taken[word]
+    for n, letter in enumerate(word[1:], start=2):
+        taken = values_taken.get("-" + letter, 0)
+        if taken:
+            return taken if n == len(word) else 0  # `-Hbox`: the value is the rest of the word
+    return 0
 
 
 @dataclass

@@ -11,6 +11,7 @@ from dynctl import demo as core
 from dynctl.cli.common import ConfigOpt, console, handle_errors
 from dynctl.cli.lifecycle import EventPrinter
 from dynctl.errors import UsageError
+from dynctl.patching import parse_threshold
 
 
 def register(app: typer.Typer) -> None:
@@ -27,6 +28,13 @@ def demo(
     level_seconds: float = typer.Option(4.5, "--level-seconds", help="Seconds per step of the 1→64→1 ramp."),
 ) -> None:
     """Start a local SIMULATED GPU host, deploy threshold 5 to it, drive a load ramp and watch speculation switch."""
+    # Checked before anything is prepared: a bad value must not leave a half-registered demo host behind.
+    parse_threshold(threshold, "--threshold")
+    if not 0 < port < 65536:
+        raise UsageError(f"--port: expected a TCP port 1-65535, got {port}")
+    for name, value in (("--time-scale", time_scale), ("--level-seconds", level_seconds)):
+        if not value > 0:
+            raise UsageError(f"{name}: expected a number above 0, got {value:g}")
     printer = EventPrinter(quiet=False)
     console.print("[bold magenta]dynctl demo[/] — everything below runs against a [bold]SIMULATED[/] SGLang server "
                   "on 127.0.0.1 (no GPU, no model), patched through the real deploy path.")

@@ -11,8 +11,20 @@ from rich.syntax import Syntax
 from rich.table import Table
 
 from dynctl import deploy as core
-from dynctl.cli.common import ConfigOpt, HostOpt, JsonOpt, VerboseOpt, YesOpt, confirm, console, handle_errors, open_host
-from dynctl.cli.lifecycle import GraceOpt, ReadyTimeoutOpt, EventPrinter
+from dynctl.cli.common import (
+    ConfigOpt,
+    HostOpt,
+    JsonOpt,
+    NumbersCommand,
+    VerboseOpt,
+    YesOpt,
+    confirm,
+    console,
+    handle_errors,
+    open_host,
+)
+from dynctl.cli.lifecycle import EventPrinter, GraceOpt, ReadyTimeoutOpt
+from dynctl.patching import parse_threshold
 from dynctl.transport import sh_join
 
 
@@ -20,7 +32,7 @@ def register(app: typer.Typer) -> None:
     app.command("deploy")(deploy)
     app.command("rollback")(rollback)
     app.command("releases")(releases)
-    app.command("threshold")(threshold)
+    app.command("threshold", cls=NumbersCommand)(threshold)
 
 
 @handle_errors
@@ -36,6 +48,7 @@ def deploy(
     verbose: bool = VerboseOpt,
 ) -> None:
     """Inspect, validate with the server's own interpreter, back up, switch, restart, health-gate; roll back on failure."""
+    parse_threshold(threshold, "--threshold")  # a typo is named before any host is contacted
     session = open_host(host, config)
     t0 = time.monotonic()
     plan = core.plan_deploy(session.agent, session.host, threshold)
@@ -129,9 +142,10 @@ def threshold(
     as_json: bool = JsonOpt,
 ) -> None:
     """Change the threshold of the running server without a restart, and report the value in force."""
+    number = parse_threshold(value, "threshold")  # a typo is named before any host is contacted
     session = open_host(host, config)
-    confirm(f"Set the live threshold of {session.host.name} to {value}?", yes)
-    answer = core.set_threshold(session.agent, value)
+    confirm(f"Set the live threshold of {session.host.name} to {number}?", yes)
+    answer = core.set_threshold(session.agent, number)
     if as_json:
         console.print_json(json.dumps(answer))
         return

@@ -8,15 +8,39 @@ naming the host:port and what failed; key material is never part of a message.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
+import time
 from collections.abc import Sequence
 
 import paramiko
 
 from dynctl.errors import ConfigError, HostKeyError, UnreachableError
-from dynctl.transport.known_hosts import AcceptNewPolicy, KnownHosts, changed_key_error
+from dynctl.transport.known_hosts import HostKeyPolicy, KnownHosts
 from dynctl.transport.ssh_route import Hop
+
+# paramiko's transport thread logs its own failures, tracebacks included; with no handler configured
+# Python prints them on stderr ahead of dynctl's one-line error. Its log goes to per-hop channels
+# below this one, which keep what the peer sent before its banner and report nothing themselves.
+_WIRE_LOG = "dynctl.ssh.wire"
+logging.getLogger("paramiko").addHandler(logging.NullHandler())
+logging.getLogger(_WIRE_LOG).addHandler(logging.NullHandler())
+logging.getLogger(_WIRE_LOG).propagate = False
+
+
+class _PeerLines(logging.Handler):
+    """The first lines a peer sent instead of an SSH banner (paramiko logs each as "Banner: ...")."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        with contextlib.suppress(Exception):
+            text = record.getMessage()
+            if text.startswith("Banner: ") and len(self.lines) < 3:
+                self.lines.append(text[len("Banner: "):][:120])
 
 
 class Login:
@@ -63,22 +87,27 @@ class Login:
     def login(self, hop: Hop, sock: socket.socket | paramiko.Channel, label: str) -> paramiko.SSHClient:
         keys = self._identity_files(hop)
         client = paramiko.SSHClient()
-        self.known_hosts.load_into(client)
-        client.set_missing_host_key_policy(AcceptNewPolicy(self.known_hosts, self.accept_new, label))
+        # paramiko gets no known keys: every decision is the policy's, which reads known_hosts as OpenSSH does.
+        policy = HostKeyPolicy(self.known_hosts, hop.known_hosts_name, hop.hostname, self.accept_new, label)
+        client.set_missing_host_key_policy(policy)
+        # One channel per hop address keeps the number of loggers bounded however often we reconnect.
+        wire = logging.getLogger(f"{_WIRE_LOG}.{hop.hostname.replace('.', '_')}_{hop.port}")
+        peer = _PeerLines()
+        wire.setLevel(logging.DEBUG)
+        wire.addHandler(peer)
+        client.set_log_channel(wire.name)
         t = self.timeout
+        started = time.monotonic()
         try:
             # `timeout` bounds the whole key exchange: longer than the banner wait, or paramiko gives up
             # silently and fails later with a misleading "No existing session".
             client.connect(hop.hostname, hop.port, username=hop.user, sock=sock, key_filename=keys or None,
                            look_for_keys=not keys, allow_agent=not hop.identities_only, timeout=2 * t,
-                           banner_timeout=t, auth_timeout=t, channel_timeout=t)
+                           banner_timeout=t, auth_timeout=t, channel_timeout=t,
+                           transport_factory=policy.transport_factory)
         except HostKeyError:
             client.close()
             raise
-        except paramiko.BadHostKeyException as err:
-            client.close()
-            raise changed_key_error(label, hop.known_hosts_name, self.known_hosts, err.key,
-                                    err.expected_key) from None
         except paramiko.PasswordRequiredException:
             client.close()
             raise UnreachableError(f"{label}: identity file {', '.join(keys)} is passphrase-protected; "
@@ -90,17 +119,32 @@ class Login:
                                    f"is its public key in ~{hop.user}/.ssh/authorized_keys there?") from None
         except (paramiko.SSHException, EOFError, OSError) as err:
             client.close()
-            raise UnreachableError(f"{label}: {self._explain_handshake(err, hop)}") from None
+            why = self._explain_handshake(err, hop, time.monotonic() - started, peer.lines)
+            raise UnreachableError(f"{label}: {why}") from None
+        finally:
+            wire.removeHandler(peer)
+            wire.setLevel(logging.WARNING)  # paramiko's per-packet debug lines cost nothing once filtered here
         transport = client.get_transport()
         assert transport is not None
         transport.set_keepalive(30)  # keeps NAT/firewall state alive; it cannot detect a dead peer
         return client
 
-    def _explain_handshake(self, err: Exception, hop: Hop) -> str:
+    def _explain_handshake(self, err: Exception, hop: Hop, elapsed: float, peer_lines: list[str]) -> str:
+        where = f"{hop.hostname}:{hop.port}"
         text = str(err)
+        no_banner = "banner" in text or "protocol version" in text
+        # paramiko raises its banner error from inside the read that failed: that read says what happened.
+        cause = err.__context__ if no_banner else err
+        said = next((line.strip() for line in peer_lines if line.strip()), "")
+        if no_banner and said:
+            return (f"{where} is not an SSH server: it answered {said!r} instead of an SSH banner "
+                    f"(wrong port in the ssh target or ~/.ssh/config?)")
+        if isinstance(cause, (EOFError, ConnectionResetError, BrokenPipeError, ConnectionAbortedError)):
+            stage = "before sending an SSH banner" if cause is not err else "during the SSH handshake"
+            return f"{where} closed the connection after {elapsed:.1f} s, {stage} (is that port an SSH server?)"
         if "banner" in text:
-            return (f"connected to {hop.hostname}:{hop.port} but got no SSH banner within "
-                    f"{self.timeout:g} s (is that port an SSH server?)")
+            return (f"connected to {where} but got no SSH banner within {self.timeout:g} s "
+                    f"(is that port an SSH server?)")
         if "No existing session" in text:
             return f"SSH key exchange with {hop.hostname}:{hop.port} did not finish within {2 * self.timeout:g} s"
         if "No authentication methods available" in text:
