@@ -165,7 +165,10 @@ def test_what_the_plain_decode_graphs_use_exists_in_the_release(version: str) ->
     (attribute overrides during construction) is read where the inserted code expects it."""
     runner = wheel_text(version, "srt/model_executor/model_runner.py")
     assert "def _get_attention_backend(self, init_new_workspace: bool = False):" in runner
-    assert {"attn_backend", "graph_runner", "spec_algorithm", "init_new_workspace"} <= _self_attrs(runner, "ModelRunner")
+    assert {"attn_backend", "graph_runner", "spec_algorithm", "init_new_workspace", "tp_size",
+            "tp_group"} <= _self_attrs(runner, "ModelRunner")
+    # the draft-mode decision is all-reduced over the TP group's CPU (gloo) group
+    assert "self.cpu_group = cpu_group" in wheel_text(version, "srt/distributed/parallel_state.py")
     args = _dataclass_fields(wheel_text(version, "srt/server_args.py"), "ServerArgs")
     assert {"enable_return_hidden_states", "enable_lora", "speculative_num_steps",
             "speculative_num_draft_tokens"} <= args
