@@ -730,6 +730,8 @@ def bench_probe(ctx, host="127.0.0.1", port=None, timeout=10.0, **_):
         "threshold": thresholds[0] if thresholds else None,
         "threshold_live": bool(thresholds),
         "metrics": metrics,
+        # a server without a tokenizer takes token ids on /generate, not text on /v1/completions
+        "token_ids": bool(info.get("skip_tokenizer_init")),
     }
 
 
@@ -834,8 +836,9 @@ class _BenchLevel:
     """One closed-loop level: C workers, warm-up, then a window of a duration or a request count."""
 
     def __init__(self, host, port, model, concurrency, input_len, output_len, duration, num_prompts,
-                 warmup, seed, sample_s, idle_timeout, max_level_s):
+                 warmup, seed, sample_s, idle_timeout, max_level_s, token_ids=False):
         self.host, self.port, self.model = host, port, model
+        self.token_ids = token_ids
         self.concurrency = concurrency
         self.input_len, self.output_len = input_len, output_len
         self.duration, self.num_prompts = duration, num_prompts
@@ -867,6 +870,11 @@ class _BenchLevel:
 
     # -- requests
     def _body(self):
+        if self.token_ids:  # ids low enough for any vocabulary
+            return json.dumps({
+                "input_ids": [self.rng.randrange(10, 1000) for _ in range(self.input_len)], "stream": True,
+                "sampling_params": {"max_new_tokens": self.output_len, "temperature": 0.0, "ignore_eos": True},
+            }).encode()
         prompt = self.rng.choices(_BENCH_VOCAB, k=self.input_len)  # exact length without a tokenizer
         return json.dumps({
             "model": self.model, "prompt": prompt, "max_tokens": self.output_len, "temperature": 0.0,
@@ -925,8 +933,9 @@ class _BenchLevel:
         """One streaming request on `conn`; fills `record`; returns (conn to reuse or None, error or None)."""
         reader, writer = conn
         body = self._body()
-        head = ("POST /v1/completions HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json\r\n"
-                "Accept: text/event-stream\r\nContent-Length: %d\r\n\r\n" % (self.host, self.port, len(body)))
+        path = "/generate" if self.token_ids else "/v1/completions"
+        head = ("POST %s HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json\r\n"
+                "Accept: text/event-stream\r\nContent-Length: %d\r\n\r\n" % (path, self.host, self.port, len(body)))
         start = time.perf_counter()
         record["s"] = round(start - self.t0, 6)
         self.busy[wid] = [writer, start, None]  # writer, last activity, why the watchdog cut it
@@ -958,9 +967,10 @@ class _BenchLevel:
                     err = obj.get("error", obj)
                     state["error"] = "server error: %s" % (err.get("message") if isinstance(err, dict) else err)
                     continue
-                usage = obj.get("usage") or {}
+                # OpenAI completions carry usage and choices; sglang's /generate meta_info and output_ids
+                usage = obj.get("usage") or obj.get("meta_info") or {}
                 choices = obj.get("choices") or []
-                text = choices[0].get("text") if choices else None
+                text = choices[0].get("text") if choices else (obj.get("output_ids") or obj.get("text"))
                 if usage.get("completion_tokens") is not None:
                     state["usage"] = int(usage["completion_tokens"])
                 if text:
@@ -1162,7 +1172,7 @@ def bench_level(ctx, concurrency, input_len, output_len, duration=None, num_prom
     if not probe["reachable"]:
         raise AgentError("server at %s not answering: %s" % (probe["where"], probe["error"]), "unreachable")
     level_args = (host, port, model or probe["model"], concurrency, input_len, output_len, duration, num_prompts,
-                  warmup, seed, sample_s, idle_timeout, max_level_s)
+                  warmup, seed, sample_s, idle_timeout, max_level_s, probe["token_ids"])
     loop = asyncio.new_event_loop()
     try:
         level = loop.run_until_complete(_bench_make_level(level_args))

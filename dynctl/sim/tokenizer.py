@@ -64,6 +64,10 @@ class TokenizerManager:
                 raise ValueError("input_ids must be a list of integers.")
             input_tokens = len(input_ids)
         else:
+            if self.server_args.get("skip_tokenizer_init"):
+                raise ValueError(
+                    "The engine initialized with skip_tokenizer_init=True cannot accept text prompts. Please "
+                    "provide input_ids or re-initialize the engine with skip_tokenizer_init=False.")
             if not isinstance(text, str):
                 raise ValueError("text must be a string.")
             input_tokens = count_prompt_tokens(text)
