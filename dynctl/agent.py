@@ -76,6 +76,7 @@ class AgentClient:
                 "env": self.host.env,
                 "launch": self.host.launch_argv(),
                 "args": list(self.host.args),
+                "keep_history": self.host.keep_history,
             },
             "client": {"user": getpass.getuser(), "hostname": socket.gethostname()},
         }).encode()

@@ -12,6 +12,7 @@ from typing import Any
 from dynctl.errors import ConfigError
 
 DEFAULT_LAUNCH = ("{python}", "-m", "sglang.launch_server")
+DEFAULT_KEEP_HISTORY = 20  # finished releases and operation records a host keeps in its workdir
 LOCAL_HOST = "local"
 _HOST_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _SSH_TARGET = re.compile(r"^(?:(?P<user>[^@\s]+)@)?(?P<host>\[[^\]]+\]|[^:@\s]+)(?::(?P<port>\d+))?$")
@@ -52,6 +53,7 @@ class HostConfig:
     identity_file: str | None = None
     accept_new_host_key: bool = False
     simulated: bool = False
+    keep_history: int = DEFAULT_KEEP_HISTORY
 
     @property
     def route(self) -> str:
@@ -167,7 +169,7 @@ def parse_ssh_target(text: str) -> SSHTarget:
 
 _HOST_KEYS = {
     "ssh", "pct", "python", "workdir", "port", "env", "args", "launch",
-    "identity_file", "accept_new_host_key", "simulated",
+    "identity_file", "accept_new_host_key", "simulated", "keep_history",
 }
 
 
@@ -207,6 +209,12 @@ def _parse_host(name: str, raw: Any, where: str) -> HostConfig:
         if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
             raise ConfigError(f"{where}: {key}.port: expected an integer 1-65535, got {port!r}")
         host = replace(host, port=port)
+    if "keep_history" in raw:
+        keep = raw["keep_history"]
+        if not isinstance(keep, int) or isinstance(keep, bool) or not 1 <= keep <= 100_000:
+            raise ConfigError(f"{where}: {key}.keep_history: expected how many finished releases and operation "
+                              f"records to keep, an integer 1-100000, got {keep!r}")
+        host = replace(host, keep_history=keep)
     if "env" in raw:
         env = raw["env"]
         if not isinstance(env, dict) or not all(isinstance(v, (str, int, float, bool)) for v in env.values()):

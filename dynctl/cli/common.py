@@ -14,7 +14,7 @@ from rich.markup import escape
 
 from dynctl.agent import AgentClient
 from dynctl.config import Config, HostConfig, load_config
-from dynctl.errors import DynctlError, UsageError
+from dynctl.errors import DynctlError, Interrupted, UsageError
 from dynctl.transport import Transport, close_all, connect
 
 console = Console(highlight=False)
@@ -61,6 +61,9 @@ def handle_errors(fn: F) -> F:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
+        except Interrupted as err:  # not an error of the host's: Ctrl-C, with what became of the operation
+            err_console.print(f"[bold yellow]![/] {escape(str(err))}", soft_wrap=True)
+            raise typer.Exit(err.exit_code) from None
         except DynctlError as err:
             err_console.print(f"[bold red]error:[/] {escape(str(err))}", soft_wrap=True)
             raise typer.Exit(err.exit_code) from None

@@ -13,6 +13,7 @@ from rich.table import Table
 from dynctl import deploy as core
 from dynctl.cli.common import ConfigOpt, HostOpt, JsonOpt, VerboseOpt, YesOpt, confirm, console, handle_errors, open_host
 from dynctl.cli.lifecycle import GraceOpt, ReadyTimeoutOpt, EventPrinter
+from dynctl.cli.ops import outcome_line
 from dynctl.transport import sh_join
 
 
@@ -66,9 +67,7 @@ def deploy(
     if as_json:
         console.print_json(json.dumps(dict(result, elapsed=elapsed, round_trips=session.agent.round_trips), default=str))
         return
-    console.print(f"[bold green]deployed[/] release {result['release']} on {session.host.name}: threshold "
-                  f"{result.get('threshold_in_force')} in force (read back from /server_info), pid {result.get('pid')}, "
-                  f"{elapsed:.1f} s")
+    console.print(f"{outcome_line(session.host.name, 'deploy', result)}, {elapsed:.1f} s", soft_wrap=True)
 
 
 @handle_errors
@@ -90,11 +89,7 @@ def rollback(
     if as_json:
         console.print_json(json.dumps(result, default=str))
         return
-    if result.get("changed") is False:
-        console.print(f"[green]✓[/] {escape(result.get('message', 'nothing to do'))}")
-    else:
-        console.print(f"[bold green]rolled back[/] {session.host.name} to {result['target']} "
-                      f"(reverted: {', '.join(result.get('reverted') or []) or 'none'}), pid {result.get('pid')}")
+    console.print(outcome_line(session.host.name, "rollback", result), soft_wrap=True)
 
 
 @handle_errors

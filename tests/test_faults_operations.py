@@ -1,0 +1,304 @@
+"""Faults around host operations: a connection cut right after the start, Ctrl-C, a full disk.
+Real sshd, the `pct` stand-in, the demo host, real tmpfs mounts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from dynctl import deploy as core
+from dynctl import operations
+from dynctl.agent import AgentClient, AgentError
+from dynctl.config import HostConfig
+from dynctl.errors import DynctlError, PreflightError
+from dynctl.patching.host import apply_plan, plan_for_apply, read_patch_state
+from dynctl.transport.local import Local
+from polling import wait_for
+from test_deploy_e2e import (  # noqa: F401 - fixtures
+    POLICY,
+    box,
+    demo_template,
+    dynctl,
+    server_info,
+    server_pid,
+    session,
+    start_baseline,
+    tree_hashes,
+    with_text,
+)
+from test_operations import local_demo  # noqa: F401 - fixture
+from test_patch_agent import _mounted, make_box  # noqa: F401 - fixture
+
+
+def workdir_of(config: Path) -> Path:
+    return Path(session(config).host.workdir)
+
+
+@pytest.fixture
+def cut_when() -> Iterator[Callable[[Callable[[], bool], Callable[[], None]], threading.Event]]:
+    """cut_when(cond, cut): a thread polls `cond` every few ms and calls `cut` once, the moment it holds."""
+    stop = threading.Event()
+    threads: list[threading.Thread] = []
+
+    def start(cond: Callable[[], bool], cut: Callable[[], None]) -> threading.Event:
+        done = threading.Event()
+
+        def watch() -> None:
+            while not stop.is_set():
+                if cond():
+                    cut()
+                    done.set()
+                    return
+                stop.wait(0.003)
+
+        t = threading.Thread(target=watch, daemon=True)
+        t.start()
+        threads.append(t)
+        return done
+
+    yield start
+    stop.set()
+    for t in threads:
+        t.join(10)
+
+
+def op_events(workdir: Path) -> list[dict]:
+    found = []
+    for path in sorted((workdir / "ops").glob("*.jsonl")):
+        found += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return found
+
+
+# --------------------------------------------------------------------------- a connection cut right after the start
+
+
+@pytest.mark.parametrize("verb", ["deploy", "rollback", "restart"])
+def test_connection_cut_right_after_the_start_is_followed_to_what_the_host_did(box, sshd, cut_when, verb):
+    """The SSH sessions die the moment the host takes its lock: the host finishes, and the client says so."""
+    config = box()
+    old = start_baseline(config)
+    pristine = tree_hashes(config)
+    if verb == "rollback":
+        first = dynctl("deploy", "--threshold", "5", "--yes", config=config)
+        assert first.returncode == 0, first.stdout + first.stderr
+    lock = workdir_of(config) / "lock"
+    cut = cut_when(lock.exists, sshd.server.drop_connections)
+    args = {"deploy": ["deploy", "--threshold", "5"], "rollback": ["rollback"],
+            "restart": ["restart", "--grace", "10"]}[verb]
+    out = dynctl(*args, "--yes", config=config)
+    assert cut.is_set(), "the connection was never cut"
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "connection lost; reconnecting" in out.stdout + out.stderr
+    info = server_info(config)
+    if verb == "deploy":
+        assert "threshold 5 in force" in out.stdout
+        assert info["internal_states"][0]["speculative_disable_batch_threshold"] == 5
+    elif verb == "rollback":
+        assert "rolled back" in out.stdout and tree_hashes(config) == pristine
+    else:
+        assert "/generate returned" in out.stdout
+        assert server_pid(config) not in (None, old) and info is not None
+    listing = dynctl("ops", "list", "--json", config=config)
+    assert listing.returncode == 0, listing.stderr
+    assert [o["state"] for o in json.loads(listing.stdout) if o["kind"] == verb][:1] == ["done"]
+
+
+def test_the_same_operation_id_twice_starts_one_operation(local_demo):
+    """A client that lost its connection before it saw a word sends the same request again: one operation."""
+    agent = local_demo.agent
+    op_id = operations.new_op_id("rollback")
+    params = {"baseline_argv": ["x"], "to": "no-such-release"}
+    first = list(operations.run(agent, "rollback", params, op_id))
+    again = list(operations.run(agent, "rollback", params, op_id))
+    assert [e["type"] for e in first] == ["started", "final"]
+    assert again == first  # the second request followed the first's events; it started nothing
+    assert "no release 'no-such-release' in force" in first[-1]["error"]
+    records = sorted(p.name for p in (Path(local_demo.host.workdir) / "ops").iterdir() if op_id in p.name)
+    assert records == [f"{op_id}.json", f"{op_id}.jsonl", f"{op_id}.log"]
+    with pytest.raises(AgentError, match="already used by a rollback, not a deploy") as err:
+        agent.call("op_start", kind="deploy", op_id=op_id, params={})
+    assert err.value.exit_code == 2
+
+
+# --------------------------------------------------------------------------- Ctrl-C and `dynctl ops follow`
+
+
+def test_ctrl_c_during_a_deploy_says_it_goes_on_and_ops_follow_reattaches(box):
+    config = box(DYNCTL_SIM_SLOW_HEALTH="2")  # a health gate long enough to press Ctrl-C in
+    start_baseline(config)
+    workdir = workdir_of(config)
+    proc = subprocess.Popen([sys.executable, "-m", "dynctl", "deploy", "--threshold", "5", "--yes",
+                             "--config", str(config)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            stdin=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: any(e.get("step") == "health" for e in op_events(workdir)), 120, "the health step")
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, out + err
+    assert "the deploy continues on the host" in err and "`dynctl rollback` to undo it" in err
+    op_id = re.search(r"`dynctl ops follow (\S+)`", err).group(1)
+    assert (workdir / "ops" / f"{op_id}.json").exists()
+
+    latest = dynctl("ops", "follow", "latest", config=config)
+    assert latest.returncode == 0, latest.stdout + latest.stderr
+    assert "threshold 5 in force" in latest.stdout and "→ health" in latest.stdout
+    by_id = dynctl("ops", "follow", op_id, "--json", config=config)
+    assert by_id.returncode == 0 and json.loads(by_id.stdout)["release"]
+    assert server_info(config)["internal_states"][0]["speculative_disable_batch_threshold"] == 5
+
+
+def test_ops_follow_exits_with_the_operations_outcome(local_demo, tmp_path):
+    config = tmp_path / "dynctl.toml"
+    agent, host = local_demo.agent, local_demo.host
+    failed_plan = core.plan_deploy(agent, host, 5)
+    policy = next(f["text"] for f in failed_plan.files if f["path"] == POLICY)
+    with_text(failed_plan, POLICY, policy + "\nraise RuntimeError('patched module fails at import')\n")
+    with pytest.raises(Exception, match="rolled back"):
+        core.deploy(agent, failed_plan, ready_timeout=60)
+    failed = dynctl("ops", "follow", "latest", config=config)
+    assert failed.returncode == 1, failed.stdout + failed.stderr
+    assert "patched module fails" in failed.stdout + failed.stderr and "rolled back" in failed.stderr
+
+    with socket.socket() as foreign:  # a port held by a stranger: refused, nothing changed
+        foreign.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        foreign.bind(("127.0.0.1", host.port))
+        foreign.listen()
+        with pytest.raises(PreflightError):
+            core.deploy(agent, core.plan_deploy(agent, host, 5), ready_timeout=60)
+    refused = dynctl("ops", "follow", "latest", config=config)
+    assert refused.returncode == 3 and "nothing was changed" in refused.stderr
+
+    unknown = dynctl("ops", "follow", "20260101T000000-deploy-abcdef", config=config)
+    assert unknown.returncode == 2 and "no operation 20260101T000000-deploy-abcdef" in unknown.stderr
+
+
+def test_ctrl_c_before_the_host_had_the_request_cancels_it(local_demo):
+    """op_detach claims an id the host has not seen, so the request, if it still arrives, starts nothing."""
+    agent = local_demo.agent
+    op_id = operations.new_op_id("deploy")
+    assert agent.call("op_detach", op_id=op_id, kind="deploy")["state"] == "cancelled"
+    plan = core.plan_deploy(agent, local_demo.host, 5)
+    late = list(operations.run(agent, "deploy", {"files": plan.files}, op_id))
+    assert late[-1]["kind"] == "cancelled" and "nothing was changed" in late[-1]["error"]
+    assert core.list_releases(agent) == [] and agent.call("op_current")["holder"] is None
+    said = str(operations.interrupted(agent, "deploy", op_id))
+    assert "the deploy had already ended there" in said and "nothing was changed" in said
+
+
+# --------------------------------------------------------------------------- a full disk
+
+
+def test_disk_full_while_writing_a_candidate_leaves_no_partial_file(make_box):
+    """srt/speculative/ on a tmpfs with a few KiB free: the candidate write itself hits ENOSPC."""
+    pbox = make_box("0.5.9")
+    folder = pbox.path("srt/speculative")
+    keep = folder.parent / "speculative.orig"
+    shutil.copytree(folder, keep)
+    used = sum(p.stat().st_size for p in keep.rglob("*") if p.is_file())
+    with _mounted([["mount", "-t", "tmpfs", "-o", f"size={used // 1024 + 256}k", "tmpfs", str(folder)]], folder):
+        shutil.copytree(keep, folder, dirs_exist_ok=True)
+        filler = folder / "filler"
+        filler.write_bytes(b"\0" * (shutil.disk_usage(folder).free - 8192))  # 8 KiB left: less than a candidate
+        with pytest.raises(AgentError) as err:
+            apply_plan(pbox.agent, plan_for_apply(read_patch_state(pbox.agent)))
+        filler.unlink()
+        leftovers = pbox.leftovers()
+    assert err.value.exit_code == 3, err.value
+    assert "No space left on device" in str(err.value) and "nothing was changed" in str(err.value)
+    assert leftovers == [], f"a partly written candidate was left: {leftovers}"
+    assert pbox.hashes() == pbox.pristine and pbox.releases() == []
+
+
+def test_disk_full_workdir_refuses_the_deploy_naming_the_disk(local_demo):
+    agent, host = local_demo.agent, local_demo.host
+    workdir = Path(host.workdir)
+    pristine = {p: p.read_bytes() for p in (Path(host.env["PYTHONPATH"]) / "sglang" / "srt").glob("*.py")}
+    plan = core.plan_deploy(agent, host, 5)  # uploads the agent while there is room
+    agent_files = {p.name: p.read_bytes() for p in workdir.iterdir() if p.is_file()}
+    with _mounted([["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(workdir)]], workdir):
+        for name, data in agent_files.items():
+            (workdir / name).write_bytes(data)
+        filler = workdir / "filler"
+        with open(filler, "wb") as f, pytest.raises(OSError):
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        with pytest.raises(DynctlError) as err:
+            core.deploy(agent, plan, ready_timeout=60)
+        leftovers = [p.name for p in workdir.rglob("*") if ".tmp." in p.name]
+        lock = (workdir / "lock").exists()
+        filler.unlink()
+    assert err.value.exit_code == 3
+    assert "no space left in workdir" in str(err.value).lower() and "nothing was changed" in str(err.value)
+    assert leftovers == [] and not lock
+    assert {p: p.read_bytes() for p in pristine} == pristine
+
+
+def test_disk_full_while_backing_up_during_a_deploy_exits_3(local_demo):
+    """releases/ on a 64 KiB tmpfs: the backup fails before any swap, so nothing changed: exit 3, not 1."""
+    agent, host = local_demo.agent, local_demo.host
+    site = Path(host.env["PYTHONPATH"]) / "sglang"
+    pristine = {p: p.read_bytes() for p in site.joinpath("srt").rglob("*.py")}
+    releases = Path(host.workdir) / "releases"
+    releases.mkdir(parents=True, exist_ok=True)
+    plan = core.plan_deploy(agent, host, 5)
+    with _mounted([["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(releases)]], releases):
+        with pytest.raises(PreflightError) as err:
+            core.deploy(agent, plan, ready_timeout=60)
+        assert os.listdir(releases) == []
+    assert err.value.exit_code == 3
+    assert "No space left on device" in str(err.value) and "nothing was changed" in str(err.value)
+    assert {p: p.read_bytes() for p in pristine} == pristine
+    assert [p for p in site.rglob(".*.dynctl-*")] == []
+
+
+def test_old_releases_and_operation_records_are_pruned_to_keep_history(make_box):
+    pbox = make_box("0.5.12")
+    agent = AgentClient(Local(), HostConfig(name="box", python=sys.executable, workdir=str(pbox.workdir),
+                                            env={"PYTHONPATH": str(pbox.site)}, keep_history=2))
+    first = apply_plan(agent, plan_for_apply(read_patch_state(agent)), threshold=5)["release"]
+    made = []
+    for threshold in (6, 7, 8):  # threshold-only releases on top, each reverted again
+        made.append(agent.call("patch_apply", files=[], sglang_version="0.5.12", threshold=threshold)["release"])
+        agent.call("patch_revert")
+    last = agent.call("patch_apply", files=[], sglang_version="0.5.12", threshold=9)["release"]
+    kept = pbox.releases()
+    assert last in kept and made[-1] in kept  # the newest two
+    assert first in kept  # older than keep_history, but in force: a rollback needs its backups
+    assert made[0] not in kept and made[1] not in kept
+    assert agent.call("releases")["current"] == last
+
+    ops = pbox.workdir / "ops"
+    ops.mkdir(exist_ok=True)
+    stale = ops / "x.json.tmp.999999999"  # what a killed writer leaves
+    stale.write_text("{")
+    for _ in range(4):
+        list(operations.run(agent, "rollback", {"baseline_argv": ["x"], "to": "nope"}))
+    records = sorted(p.name for p in ops.iterdir() if p.name.endswith(".json"))
+    assert len(records) == 2  # keep_history of them, the one just started included
+    assert not stale.exists()
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "'10'", "true", "2.5"])
+def test_keep_history_is_validated_like_the_other_keys(tmp_path, value):
+    config = tmp_path / "dynctl.toml"
+    config.write_text(f"[hosts.a]\nkeep_history = {value}\n")
+    out = dynctl("releases", config=config)
+    assert out.returncode == 2
+    assert f"{config}: hosts.a.keep_history: expected" in " ".join(out.stderr.split())
