@@ -54,7 +54,7 @@ def plan_deploy(agent: AgentClient, host: HostConfig, threshold: Any) -> DeployP
         raise PreflightError(f"{host.name}: sglang is not installed for {state.python}; nothing to deploy to")
     strategy = strategy_for(state.version)  # refuses unsupported versions (exit 3)
     if strategy == "patch":
-        plan = plan_for_apply(state)
+        plan = plan_for_apply(state, host.name)
         if plan.status == "applied":
             files: list[dict[str, Any]] = []
         else:

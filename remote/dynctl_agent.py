@@ -2804,6 +2804,11 @@ def _pt_write_bytes(path, data, mode=0o644, exclusive=True):
         os.close(fd)
 
 
+def interrupted_release_message(release):
+    return ("release %s was interrupted mid-switch: `dynctl rollback` reverts it and restarts what ran before it "
+            "(`dynctl patch revert --release %s` reverts the files alone); nothing was changed" % (release, release))
+
+
 def _pt_journal(ctx, event, **fields):
     """Journal a step; a full disk must not stop a transaction half way (the manifest is the record)."""
     with contextlib.suppress(OSError, AgentError):
@@ -3034,8 +3039,7 @@ def apply_release(ctx, files, sglang_version, strategy="patch", threshold=None, 
     os.makedirs(_pt_releases_dir(ctx), mode=0o700, exist_ok=True)
     incomplete = [m["id"] for m in _pt_manifests(ctx) if m.get("state") == "applying"]
     if incomplete:
-        raise AgentError("release %s was interrupted; run `dynctl patch revert --release %s` first"
-                         % (incomplete[0], incomplete[0]), "preflight")
+        raise AgentError(interrupted_release_message(incomplete[0]), "preflight")
     for name in artifacts or {}:
         if not _PT_ARTIFACT.match(name) or name in ("manifest.json", "orig"):
             raise AgentError("bad release artifact name %r" % (name,), "usage")
@@ -3398,10 +3402,42 @@ def _dp_verify(ctx, oplog, strategy, threshold):
 
 def _dp_recover(ctx, oplog):
     """An interrupted release (worker killed mid-switch) is reverted before anything else happens."""
+    recovered = []
     for m in _pt_manifests(ctx):
         if m.get("state") == "applying":
             oplog.warn("release %s was interrupted; reverting it first" % m["id"])
             revert_release(ctx, m["id"])
+            recovered.append(m["id"])
+    return recovered
+
+
+def _dp_rollback_target(ctx, to, manifests):
+    """`rollback --to` as typed: a release id or a unique prefix (or sequence number) of one in force,
+    "baseline", "latest" (the release in force) or "previous" (None: the one before it). Anything else is a
+    usage error that names the candidates, raised before anything changes."""
+    ids = [m["id"] for m in manifests if m.get("state") == "applied"]
+    if to is None or to == "previous":
+        return None
+    if to == "latest":
+        return ids[0] if ids else BASELINE
+    text = str(to).strip()
+    if text == BASELINE or text in ids:
+        return text
+    matches = [i for i in ids if i.startswith(text)]
+    if not matches and text.isdigit():
+        matches = [i for i in ids if int(i.split("-")[0]) == int(text)]
+    if len(matches) == 1:
+        return matches[0]
+    in_force = ", ".join(ids + [BASELINE])
+    if matches:
+        raise AgentError("release %r is ambiguous on %s: it could be %s; give more of the id; nothing was changed"
+                         % (text, ctx.name, ", ".join(matches)), "usage")
+    other = [m for m in manifests if m["id"].startswith(text) or m["id"] == text]
+    if other:
+        raise AgentError("release %s on %s is %s, not in force: rollback returns to one in force (%s); nothing "
+                         "was changed" % (other[0]["id"], ctx.name, other[0].get("state"), in_force), "usage")
+    raise AgentError("no release %r in force on %s to roll back to (in force: %s; also latest, previous); "
+                     "nothing was changed" % (text, ctx.name, in_force), "usage")
 
 
 def _dp_previous_argv(ctx, baseline_argv):
@@ -3465,22 +3501,20 @@ def _dp_roll_back_after_failure(ctx, oplog, release, previous_argv, was_running,
 
 @operation("rollback")
 def op_rollback(ctx, oplog, baseline_argv, to=None, grace=60, ready_timeout=900, **_):
-    _dp_recover(ctx, oplog)
+    chosen = _dp_rollback_target(ctx, to, _pt_manifests(ctx))
+    recovered = _dp_recover(ctx, oplog)
     applied = [m for m in _pt_manifests(ctx) if m.get("state") == "applied"]  # newest first
     current = applied[0]["id"] if applied else None
     state = _dp_state(ctx)
-    if to is None:
-        if state.get("last") == "rollback" and state.get("target") == (current or BASELINE):
-            target = current or BASELINE  # rolling back twice stays on the first rollback's target
-            oplog.emit("info", text="already rolled back to %s; making sure it serves" % target)
-        else:
-            target = applied[1]["id"] if len(applied) > 1 else BASELINE
+    if chosen is not None:
+        target = chosen
+    elif recovered:  # the interrupted release was the change to undo: back to what ran before it
+        target = current or BASELINE
+    elif state.get("last") == "rollback" and state.get("target") == (current or BASELINE):
+        target = current or BASELINE  # rolling back twice stays on the first rollback's target
+        oplog.emit("info", text="already rolled back to %s; making sure it serves" % target)
     else:
-        target = to
-        if target != BASELINE and target not in [m["id"] for m in applied]:
-            known = ", ".join([m["id"] for m in applied] + [BASELINE])
-            raise AgentError("no release %r in force on %s to roll back to (known: %s)"
-                             % (target, ctx.name, known), "usage")
+        target = applied[1]["id"] if len(applied) > 1 else BASELINE
     newer = [m for m in applied if target == BASELINE or m["seq"] > int(target.split("-")[0])]
     manifest = next((m for m in applied if m["id"] == target), None)
     argv = (manifest or {}).get("launch_argv") or baseline_argv

@@ -1,4 +1,5 @@
-"""Faults around host operations: a connection cut right after the start, Ctrl-C, a full disk.
+"""Faults around host operations: a connection cut right after the start, Ctrl-C, a full disk, release ids
+typed short, an interrupted release.
 Real sshd, the `pct` stand-in, the demo host, real tmpfs mounts.
 """
 
@@ -302,3 +303,59 @@ def test_keep_history_is_validated_like_the_other_keys(tmp_path, value):
     out = dynctl("releases", config=config)
     assert out.returncode == 2
     assert f"{config}: hosts.a.keep_history: expected" in " ".join(out.stderr.split())
+
+
+# --------------------------------------------------------------------------- release ids and messages
+
+
+def test_release_ids_are_shown_whole_and_rollback_takes_prefixes(local_demo, tmp_path):
+    config = tmp_path / "dynctl.toml"
+    agent, host = local_demo.agent, local_demo.host
+    first = core.deploy(agent, core.plan_deploy(agent, host, 5), ready_timeout=60)["release"]
+    second = core.deploy(agent, core.plan_deploy(agent, host, 7), ready_timeout=60)["release"]
+    listing = subprocess.run([sys.executable, "-m", "dynctl", "releases", "--config", str(config)],
+                             capture_output=True, text=True, env=dict(os.environ, COLUMNS="80"), timeout=120)
+    assert listing.returncode == 0 and first in listing.stdout and second in listing.stdout
+
+    ambiguous = dynctl("rollback", "--to", "000", "--yes", config=config)
+    assert ambiguous.returncode == 2, ambiguous.stderr
+    said = " ".join(ambiguous.stderr.split())
+    assert "ambiguous" in said and first in said and second in said and "nothing was changed" in said
+    unknown = dynctl("rollback", "--to", "0042", "--yes", config=config)
+    assert unknown.returncode == 2 and "in force: " in unknown.stderr
+    assert server_threshold(local_demo) == 7 and core.list_releases(agent)[0]["state"] == "applied"
+
+    back = dynctl("rollback", "--to", "1", "--yes", config=config)
+    assert back.returncode == 0, back.stdout + back.stderr
+    assert f"to {first}" in back.stdout and server_threshold(local_demo) == 5
+    same = dynctl("rollback", "--to", "latest", "--yes", config=config)
+    assert same.returncode == 0 and f"already on {first}" in same.stdout
+
+
+def server_threshold(local_demo) -> int | None:
+    info = local_demo.agent.call("server_info")["info"] or {}
+    return (info.get("internal_states") or [{}])[0].get("speculative_disable_batch_threshold")
+
+
+def test_an_interrupted_release_names_the_host_and_rollback_recovers_it(local_demo, tmp_path):
+    config = tmp_path / "dynctl.toml"
+    agent, host = local_demo.agent, local_demo.host
+    site = Path(host.env["PYTHONPATH"]) / "sglang"
+    pristine = {p: p.read_bytes() for p in site.joinpath("srt").rglob("*.py")}
+    release = core.deploy(agent, core.plan_deploy(agent, host, 5), ready_timeout=60)["release"]
+    manifest = Path(host.workdir) / "releases" / release / "manifest.json"
+    manifest.write_text(json.dumps(dict(json.loads(manifest.read_text()), state="applying")))
+
+    refused = dynctl("deploy", "--threshold", "7", "--yes", config=config)
+    assert refused.returncode == 3
+    said = " ".join(refused.stderr.split())
+    assert f"demo: release {release} was interrupted" in said and "`dynctl rollback` reverts it" in said
+    back = dynctl("rollback", "--yes", config=config)
+    assert back.returncode == 0, back.stdout + back.stderr
+    assert f"release {release} was interrupted; reverting it first" in back.stdout + back.stderr
+    assert {p: p.read_bytes() for p in pristine} == pristine
+    assert server_threshold(local_demo) is None and server_info_ok(local_demo)
+
+
+def server_info_ok(local_demo) -> bool:
+    return local_demo.agent.call("server_info")["info"] is not None

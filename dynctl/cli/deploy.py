@@ -74,7 +74,9 @@ def deploy(
 def rollback(
     host: str = HostOpt,
     config: str = ConfigOpt,
-    to: str = typer.Option(None, "--to", help="Release id to return to, or 'baseline' (no release)."),
+    to: str = typer.Option(None, "--to", help="Release to return to: its id or a unique prefix of it (as `dynctl "
+                                              "releases` shows), 'previous' (the default), 'latest' (the one in "
+                                              "force) or 'baseline' (no release)."),
     yes: bool = YesOpt,
     grace: float = GraceOpt,
     ready_timeout: float = ReadyTimeoutOpt,
@@ -107,7 +109,11 @@ def releases(
     if not items:
         console.print(f"no releases on {session.host.name} yet")
         return
-    table = Table("release", "created", "who", "sglang", "strategy", "threshold", "files", "state", box=None)
+    table = Table(box=None)
+    # the id is what `rollback --to` takes: never cut it, whatever the terminal's width
+    table.add_column("release", no_wrap=True, min_width=max(len(m["id"]) for m in items))
+    for name in ("created", "who", "sglang", "strategy", "threshold", "files", "state"):
+        table.add_column(name, overflow="fold")
     for m in items:
         table.add_row(m["id"], str(m.get("created", ""))[:19], m.get("who") or "", m.get("sglang_version") or "",
                       m.get("strategy") or "", str(m.get("threshold")), str(len(m.get("files") or [])),
