@@ -9,8 +9,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from dynctl import resources
-from dynctl.config import HostConfig
-from dynctl.errors import DynctlError, OperationFailed, PreflightError, UnreachableError, UsageError
+from dynctl.config import HostConfig, workdir_problem
+from dynctl.errors import ConfigError, DynctlError, OperationFailed, PreflightError, UnreachableError, UsageError
 from dynctl.transport.base import Transport
 
 PROTOCOL = 1
@@ -58,6 +58,8 @@ class AgentError(DynctlError):
 
 class AgentClient:
     def __init__(self, transport: Transport, host: HostConfig, timeout: float = 120.0) -> None:
+        if problem := workdir_problem(host.workdir):  # config files are checked; hosts built in code are not
+            raise ConfigError(f"hosts.{host.name}.workdir: {problem}")
         self.transport = transport
         self.host = host
         self.timeout = timeout

@@ -15,6 +15,7 @@ DEFAULT_LAUNCH = ("{python}", "-m", "sglang.launch_server")
 DEFAULT_KEEP_HISTORY = 20  # finished releases and operation records a host keeps in its workdir
 LOCAL_HOST = "local"
 _HOST_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_HOME_PATH = re.compile(r"^~[A-Za-z0-9_.-]*(/|$)")  # ~, ~/x, ~user/x: a home on the host
 _SSH_TARGET = re.compile(r"^(?:(?P<user>[^@\s]+)@)?(?P<host>\[[^\]]+\]|[^:@\s]+)(?::(?P<port>\d+))?$")
 
 
@@ -173,6 +174,15 @@ _HOST_KEYS = {
 }
 
 
+def workdir_problem(workdir: str) -> str | None:
+    """Why `workdir` cannot be one, or None. One rule for every transport: absolute, or under the remote
+    home as ~/...; a relative path would follow whatever directory dynctl happened to run in (the client's
+    cwd locally, the login or container home over SSH and pct), so two shells could split a host's lock."""
+    if workdir.startswith("/") or _HOME_PATH.match(workdir):
+        return None
+    return f"'{workdir}' is relative: use an absolute path, or ~/... for the home directory on the host"
+
+
 def _parse_host(name: str, raw: Any, where: str) -> HostConfig:
     key = f"hosts.{name}"
     if not _HOST_NAME.match(name):
@@ -203,6 +213,8 @@ def _parse_host(name: str, raw: Any, where: str) -> HostConfig:
             value = _opt_str(raw, k, where, f"{key}.{k}")
             if not value:
                 raise ConfigError(f"{where}: {key}.{k}: must not be empty")
+            if k == "workdir" and (problem := workdir_problem(value)):
+                raise ConfigError(f"{where}: {key}.workdir: {problem}")
             host = replace(host, **{k: value})
     if "port" in raw:
         port = raw["port"]

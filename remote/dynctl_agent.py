@@ -110,6 +110,13 @@ def _keep_history(value):
     return value
 
 
+def workdir_problem(workdir):
+    """Why `workdir` cannot be used, or None: a relative one would follow whatever directory the agent was
+    started in (the login or container home over SSH and pct, the client's cwd locally)."""
+    if not workdir or not os.path.isabs(os.path.expanduser(workdir)):
+        return "workdir %r is relative: use an absolute path, or ~/... for the remote home" % (workdir,)
+    return None
+
 
 # --------------------------------------------------------------------------- journal and lock
 
@@ -3570,6 +3577,10 @@ def main():
         _answer({"ok": False, "kind": "usage", "error": "unknown agent verb %r" % name})
         return 2
     host = request.get("host") or {}
+    problem = workdir_problem(host.get("workdir") or "~/.dynctl")
+    if problem:
+        _answer({"ok": False, "kind": "usage", "error": problem, "done": True})
+        return 2
     params = request.get("params") or {}
     ctx = None
     try:

@@ -1,5 +1,5 @@
-"""Faults around host operations: a connection cut right after the start, Ctrl-C, a full disk, release ids
-typed short, an interrupted release.
+"""Faults around host operations: a connection cut right after the start, Ctrl-C, a full disk, a relative
+workdir, release ids typed short, an interrupted release.
 Real sshd, the `pct` stand-in, the demo host, real tmpfs mounts.
 """
 
@@ -20,14 +20,15 @@ from pathlib import Path
 import pytest
 
 from dynctl import deploy as core
-from dynctl import operations
+from dynctl import operations, resources
 from dynctl.agent import AgentClient, AgentError
 from dynctl.config import HostConfig
-from dynctl.errors import DynctlError, PreflightError
+from dynctl.errors import ConfigError, DynctlError, PreflightError
 from dynctl.patching.host import apply_plan, plan_for_apply, read_patch_state
 from dynctl.transport.local import Local
 from polling import wait_for
 from test_deploy_e2e import (  # noqa: F401 - fixtures
+    CTID,
     POLICY,
     box,
     demo_template,
@@ -303,6 +304,43 @@ def test_keep_history_is_validated_like_the_other_keys(tmp_path, value):
     out = dynctl("releases", config=config)
     assert out.returncode == 2
     assert f"{config}: hosts.a.keep_history: expected" in " ".join(out.stderr.split())
+
+
+# --------------------------------------------------------------------------- a relative workdir
+
+
+@pytest.mark.parametrize("route", ["local", "ssh", "ssh+pct"])
+def test_a_relative_workdir_is_refused_for_every_transport(sshd, tmp_path, monkeypatch, route):
+    """One rule: absolute or ~/...; a relative one would follow the cwd (local) or the login/container home."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    entry: dict = {"python": sys.executable, "workdir": "dynctl-work"}
+    if route != "local":
+        entry["ssh"] = sshd.target
+    if route == "ssh+pct":
+        entry["pct"] = CTID
+        sshd.make_ct(CTID)
+    config = sshd.write_config(tmp_path / "dynctl.toml", {"box": entry}, default_host="box")
+    out = dynctl("releases", config=config)
+    assert out.returncode == 2, out.stdout + out.stderr
+    said = " ".join(out.stderr.split())
+    assert f"{config}: hosts.box.workdir: 'dynctl-work' is relative" in said and "~/" in said
+    places = [cwd, sshd.tmp / "home", sshd.ct_root(CTID)]
+    assert not [p for p in places if (p / "dynctl-work").exists()]
+    with pytest.raises(ConfigError, match="workdir: 'w' is relative"):
+        AgentClient(Local(), HostConfig(name="coded", workdir="w"))
+
+
+def test_the_agent_refuses_a_relative_workdir_itself(tmp_path, monkeypatch):
+    """Whatever a client sends: the host side does not guess which directory a relative workdir meant."""
+    monkeypatch.chdir(tmp_path)
+    request = {"protocol": 1, "verb": "releases", "params": {}, "host": {"workdir": "rel"}, "client": {}}
+    proc = subprocess.run([sys.executable, str(resources.remote_dir() / "dynctl_agent.py")],
+                          input=json.dumps(request), capture_output=True, text=True, timeout=60)
+    answer = json.loads(proc.stdout.splitlines()[-1])
+    assert proc.returncode == 2 and answer["kind"] == "usage" and "'rel' is relative" in answer["error"]
+    assert not (tmp_path / "rel").exists()
 
 
 # --------------------------------------------------------------------------- release ids and messages
