@@ -5,12 +5,21 @@ from __future__ import annotations
 import getpass
 import json
 import socket
+import time
 from collections.abc import Iterator
 from typing import Any
 
 from dynctl import resources
 from dynctl.config import HostConfig, workdir_problem
-from dynctl.errors import ConfigError, DynctlError, OperationFailed, PreflightError, UnreachableError, UsageError
+from dynctl.errors import (
+    ConfigError,
+    DynctlError,
+    HostKeyError,
+    OperationFailed,
+    PreflightError,
+    UnreachableError,
+    UsageError,
+)
 from dynctl.transport.base import Transport
 
 PROTOCOL = 1
@@ -104,6 +113,53 @@ class AgentClient:
         """Run a verb; return its `result`, or raise AgentError with the agent's message."""
         answer = self._call_raw(verb, params)
         return answer.get("result")
+
+    def call_through_drop(self, verb: str, lock: str, reconnect_for: float = 60.0, **params: Any) -> Any:
+        """call() for a verb that is safe to send twice because it finds what an earlier one did (stop, start).
+
+        After a dropped connection: reconnect and send it again, so the answer says what the host did rather
+        than "unreachable"; while the first request still holds the host (`lock`, taken by us), wait for it.
+        """
+        dropped_at: float | None = None
+        while True:
+            try:
+                return self.call(verb, **params)
+            except HostKeyError:
+                raise
+            except UnreachableError:
+                dropped_at = dropped_at or time.monotonic()
+                if time.monotonic() - dropped_at > reconnect_for:
+                    raise
+                time.sleep(1.0)
+            except AgentError as err:
+                holder = err.answer.get("holder") or {}
+                ours = (holder.get("operation") == lock and holder.get("who") == getpass.getuser()
+                        and holder.get("client_host") == socket.gethostname())
+                if dropped_at is None or err.kind != "busy" or not ours:
+                    raise
+                self._wait_unlocked(dropped_at + reconnect_for + self.timeout)
+
+    def stream_through_drop(self, verb: str, reconnect_for: float = 60.0, **params: Any) -> Iterator[dict[str, Any]]:
+        """stream() for a verb that only looks (a readiness wait): after a dropped connection, open it again."""
+        dropped_at: float | None = None
+        while True:
+            try:
+                yield from self.stream(verb, **params)
+                return
+            except HostKeyError:
+                raise
+            except UnreachableError:
+                dropped_at = dropped_at or time.monotonic()
+                if time.monotonic() - dropped_at > reconnect_for:
+                    raise
+                time.sleep(1.0)
+
+    def _wait_unlocked(self, deadline: float) -> None:
+        while self.call("op_current")["holder"] is not None:
+            if time.monotonic() > deadline:
+                raise UnreachableError(f"{self.host.name}: the request sent before the connection dropped still "
+                                       "holds the host; see `dynctl status`")
+            time.sleep(0.5)
 
     def _call_raw(self, verb: str, params: dict[str, Any]) -> dict[str, Any]:
         request = self._request(verb, params)

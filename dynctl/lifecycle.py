@@ -99,7 +99,7 @@ def stop_server(agent: AgentClient, grace: float = 60.0, on_event: EventSink = e
     t0 = time.monotonic()
     with _patience(agent, grace + _STOP_PORT_TIMEOUT_S + _STOP_GPU_TIMEOUT_S + _SLACK_S):
         try:
-            result = agent.call("server_stop", grace=grace, port_timeout=_STOP_PORT_TIMEOUT_S,
+            result = agent.call_through_drop("server_stop", "stop", grace=grace, port_timeout=_STOP_PORT_TIMEOUT_S,
                                 gpu_timeout=_STOP_GPU_TIMEOUT_S)
         except AgentError as err:
             on_event(events.Failed("stop", str(err)))
@@ -141,7 +141,8 @@ def start_server(agent: AgentClient, argv: Sequence[str], env: dict[str, str] | 
     on_event(events.StepStarted("start", " ".join(argv)))
     t0 = time.monotonic()
     try:
-        result = agent.call("server_start", argv=list(argv), env=dict(env or {}), release=release)
+        result = agent.call_through_drop("server_start", "start", argv=list(argv), env=dict(env or {}),
+                                         release=release)
     except AgentError as err:
         on_event(events.Failed("start", str(err)))
         raise
@@ -158,7 +159,7 @@ def wait_ready(agent: AgentClient, ready_timeout: float = 900.0,
     on_event(events.StepStarted("ready", f"/health_generate and one /generate, up to {ready_timeout:g} s"))
     t0 = time.monotonic()
     try:
-        for item in agent.stream("server_wait_ready", ready_timeout=ready_timeout):
+        for item in agent.stream_through_drop("server_wait_ready", ready_timeout=ready_timeout):
             done = _relay_ready_item(item, on_event)
             if done is not None:
                 on_event(events.StepDone("ready", time.monotonic() - t0, _ready_detail(done)))

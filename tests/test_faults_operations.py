@@ -117,6 +117,26 @@ def test_connection_cut_right_after_the_start_is_followed_to_what_the_host_did(b
     assert [o["state"] for o in json.loads(listing.stdout) if o["kind"] == verb][:1] == ["done"]
 
 
+@pytest.mark.parametrize("when", ["stop", "start", "ready"])
+def test_connection_cut_during_stop_or_start_reports_what_the_host_did(box, sshd, cut_when, when):
+    """stop and start are verbs that find what an earlier request did: after the cut, the client sends them again."""
+    config = box()
+    workdir = workdir_of(config)
+    if when == "stop":
+        start_baseline(config)
+    # "ready": the server is spawned and the client waits for it to be ready
+    cond = (workdir / ("server.json" if when == "ready" else "lock")).exists
+    cut = cut_when(cond, sshd.server.drop_connections)
+    args = ["stop", "--grace", "10"] if when == "stop" else ["start"]
+    out = dynctl(*args, "--yes", config=config)
+    assert cut.is_set(), "the connection was never cut"
+    assert out.returncode == 0, out.stdout + out.stderr
+    if when == "stop":
+        assert server_pid(config) is None
+    else:
+        assert server_info(config) is not None and "/generate returned" in out.stdout
+
+
 def test_the_same_operation_id_twice_starts_one_operation(local_demo):
     """A client that lost its connection before it saw a word sends the same request again: one operation."""
     agent = local_demo.agent
