@@ -2995,33 +2995,60 @@ def _pt_import_check(ctx, swapped, timeout):
     return {"ran": False, "ok": False, "detail": "import check could not run: %s" % last}
 
 
-def _pt_restore(ctx, release_dir, entry, package_dir):
-    """Put one file back as it was before the release (byte for byte), or remove a created file."""
-    target = _pt_target(package_dir, entry["path"])
+def _pt_stage_original(release_dir, entry, package_dir):
+    """Write the original of one file beside its target (mode and owner as recorded); return that temp path,
+    or None for a file the release created. A write that fails leaves nothing behind."""
     if entry["sha256_before"] is None:
+        return None
+    target = _pt_target(package_dir, entry["path"])
+    backup = os.path.join(release_dir, "orig", *entry["path"].split("/"))
+    with open(backup, "rb") as f:
+        data = f.read()
+    if hashlib.sha256(data).hexdigest() != entry["sha256_before"]:
+        raise AgentError("backup %s does not match its recorded sha256; %s left as is" % (backup, target), "failed")
+    tmp = os.path.join(os.path.dirname(target), ".%s.dynctl-restore.%d" % (os.path.basename(target), os.getpid()))
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)  # a leftover of a killed restore with our pid
+    _pt_write_bytes(tmp, data, entry.get("mode") or 0o644)
+    try:
+        os.chmod(tmp, entry.get("mode") or 0o644)  # not narrowed by the umask
+        if entry.get("uid") is not None and os.geteuid() == 0:
+            os.chown(tmp, entry["uid"], entry["gid"])
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return tmp
+
+
+def _pt_stage_originals(release_dir, entries, package_dir):
+    """Every original written beside its target before the first is put back, so a full disk or a read-only
+    folder stops the restore with nothing restored, never half way. Returns [(entry, temp path or None)]."""
+    staged = []
+    try:
+        for entry in entries:
+            staged.append((entry, _pt_stage_original(release_dir, entry, package_dir)))
+    except BaseException:
+        _pt_discard_staged(staged)
+        raise
+    return staged
+
+
+def _pt_discard_staged(staged):
+    for _, tmp in staged:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+
+def _pt_put_back(entry, tmp, package_dir):
+    """Rename a staged original over its target (or remove a file the release created); check its sha256."""
+    target = _pt_target(package_dir, entry["path"])
+    if tmp is None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(target)
     else:
-        backup = os.path.join(release_dir, "orig", *entry["path"].split("/"))
-        with open(backup, "rb") as f:
-            data = f.read()
-        if hashlib.sha256(data).hexdigest() != entry["sha256_before"]:
-            raise AgentError("backup %s does not match its recorded sha256; %s left as is" % (backup, target),
-                             "failed")
-        tmp = os.path.join(os.path.dirname(target), ".%s.dynctl-restore.%d" % (os.path.basename(target),
-                                                                             os.getpid()))
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)  # a leftover of a killed restore with our pid
-        _pt_write_bytes(tmp, data, entry.get("mode") or 0o644)
-        try:
-            os.chmod(tmp, entry.get("mode") or 0o644)  # not narrowed by the umask
-            if entry.get("uid") is not None and os.geteuid() == 0:
-                os.chown(tmp, entry["uid"], entry["gid"])
-            os.replace(tmp, target)
-        except OSError:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        os.replace(tmp, target)
         if sha256_file(target) != entry["sha256_before"]:
             raise AgentError("%s does not match its original sha256 after restore" % target, "failed")
     _pt_drop_pycache(target)
@@ -3164,11 +3191,17 @@ def apply_release(ctx, files, sglang_version, strategy="patch", threshold=None, 
 
     def roll_back(reason):
         problems = []
-        for e in reversed(swapped):
+        try:
+            staged = _pt_stage_originals(release_dir, list(reversed(swapped)), package_dir)
+        except (OSError, AgentError) as err:
+            staged = []
+            problems.append("staging the originals: %s" % (getattr(err, "strerror", None) or err))
+        for e, tmp in staged:
             try:
-                _pt_restore(ctx, release_dir, e, package_dir)
+                _pt_put_back(e, tmp, package_dir)
             except (OSError, AgentError) as err:
                 problems.append("%s: %s" % (e["target"], err))
+                _pt_discard_staged([(e, tmp)])
         drop_candidates()
         if not problems:
             shutil.rmtree(release_dir, ignore_errors=True)
@@ -3257,20 +3290,18 @@ def revert_release(ctx, release=None):
             raise AgentError("release %s has no backup of %s; nothing was reverted" % (release, entry["path"]),
                              "failed")
         todo.append(entry)
-    for folder in sorted({os.path.dirname(_pt_target(package_dir, e["path"])) for e in todo}):
-        probe = os.path.join(folder, ".dynctl-probe.%d" % os.getpid())
-        try:
-            _pt_write_bytes(probe, b"")
-            os.unlink(probe)
-        except OSError as err:
-            raise AgentError("cannot write in %s: %s; nothing was reverted" % (folder, err.strerror or err),
-                             "preflight")
+    try:
+        staged = _pt_stage_originals(release_dir, todo, package_dir)
+    except OSError as err:
+        folder = os.path.dirname(err.filename) if err.filename else package_dir
+        raise AgentError("cannot write in %s: %s; nothing was reverted" % (folder, err.strerror or err), "preflight")
     _pt_journal(ctx, "patch.revert.begin", release=release, files=[e["path"] for e in todo])
     restored = []
-    for entry in todo:
+    for i, (entry, tmp) in enumerate(staged):
         try:
-            _pt_restore(ctx, release_dir, entry, package_dir)
+            _pt_put_back(entry, tmp, package_dir)
         except OSError as err:
+            _pt_discard_staged(staged[i:])
             raise AgentError("restoring %s failed: %s (restored so far: %s)"
                              % (entry["path"], err.strerror or err, ", ".join(restored) or "none"), "failed")
         restored.append(entry["path"])

@@ -247,6 +247,31 @@ def test_disk_full_while_writing_a_candidate_leaves_no_partial_file(make_box):
     assert pbox.hashes() == pbox.pristine and pbox.releases() == []
 
 
+def test_disk_full_while_reverting_reverts_nothing(make_box):
+    """srt/speculative/ full: the other folders' files must not be put back while this one cannot be."""
+    pbox = make_box("0.5.9")
+    apply_plan(pbox.agent, plan_for_apply(read_patch_state(pbox.agent)))
+    patched = pbox.hashes()
+    folder = pbox.path("srt/speculative")
+    keep = folder.parent / "speculative.patched"
+    shutil.copytree(folder, keep)
+    used = sum(p.stat().st_size for p in keep.rglob("*") if p.is_file())
+    with _mounted([["mount", "-t", "tmpfs", "-o", f"size={used // 1024 + 256}k", "tmpfs", str(folder)]], folder):
+        shutil.copytree(keep, folder, dirs_exist_ok=True)
+        (folder / "filler").write_bytes(b"\0" * (shutil.disk_usage(folder).free - 8192))
+        with pytest.raises(AgentError) as err:
+            pbox.agent.call("patch_revert")
+        (folder / "filler").unlink()
+        during = pbox.hashes()
+        leftovers = pbox.leftovers()
+    assert err.value.exit_code == 3 and "nothing was reverted" in str(err.value), err.value
+    assert "No space left on device" in str(err.value)
+    assert during == patched, "a revert that could not finish put some files back"
+    assert leftovers == []
+    pbox.agent.call("patch_revert")
+    assert pbox.hashes() == pbox.pristine
+
+
 def test_disk_full_workdir_refuses_the_deploy_naming_the_disk(local_demo):
     agent, host = local_demo.agent, local_demo.host
     workdir = Path(host.workdir)
