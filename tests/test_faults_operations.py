@@ -185,6 +185,39 @@ def test_ctrl_c_during_a_deploy_says_it_goes_on_and_ops_follow_reattaches(box):
     assert server_info(config)["internal_states"][0]["speculative_disable_batch_threshold"] == 5
 
 
+@pytest.mark.parametrize("verb", ["restart", "start"])
+def test_ctrl_c_during_a_restart_or_a_start_exits_130_saying_it_goes_on(box, verb):
+    config = box(DYNCTL_SIM_SLOW_HEALTH="2")
+    workdir = workdir_of(config)
+    if verb == "restart":
+        start_baseline(config)
+
+    def waiting_for_ready() -> bool:
+        if verb == "restart":
+            return any(e.get("type") == "server_started" for e in op_events(workdir))
+        return (workdir / "server.json").exists()
+
+    proc = subprocess.Popen([sys.executable, "-m", "dynctl", verb, "--yes", "--config", str(config)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+    try:
+        wait_for(waiting_for_ready, 120, "the server to be started")
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, out + err
+    said = " ".join(err.split())
+    if verb == "restart":
+        assert "the restart continues on the host: `dynctl ops follow" in said
+        follow = dynctl("ops", "follow", "latest", config=config)
+        assert follow.returncode == 0 and "restarted the server" in follow.stdout, follow.stdout + follow.stderr
+    else:
+        assert "interrupted: whatever was already asked of the host goes on there" in said
+    wait_for(lambda: server_info(config) is not None, 60, "the server to come up all the same")
+
+
 def test_ops_follow_exits_with_the_operations_outcome(local_demo, tmp_path):
     config = tmp_path / "dynctl.toml"
     agent, host = local_demo.agent, local_demo.host

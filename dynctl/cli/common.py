@@ -61,6 +61,10 @@ def handle_errors(fn: F) -> F:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
+        except KeyboardInterrupt:
+            err_console.print("[bold yellow]![/] interrupted: whatever was already asked of the host goes on there "
+                              "(`dynctl status` shows the server, `dynctl ops list` the operations)", soft_wrap=True)
+            raise typer.Exit(130) from None
         except Interrupted as err:  # not an error of the host's: Ctrl-C, with what became of the operation
             err_console.print(f"[bold yellow]![/] {escape(str(err))}", soft_wrap=True)
             raise typer.Exit(err.exit_code) from None
