@@ -44,13 +44,15 @@ _BOOT = (
 # Writes the agent from stdin into workdir atomically (no SFTP: works through pct too).
 _UPLOAD = (
     "import os,sys\n"
-    "w=os.path.expanduser(sys.argv[1]);p=os.path.join(w,'agent-'+sys.argv[2]+'.py')\n"
+    "w=os.path.expanduser(sys.argv[1]);p=os.path.join(w,'agent-'+sys.argv[2]+'.py');t=p+'.tmp.%d'%os.getpid()\n"
     "try:\n"
-    " os.makedirs(w,0o700,exist_ok=True);t=p+'.tmp.%d'%os.getpid()\n"
+    " os.makedirs(w,0o700,exist_ok=True)\n"
     " with open(t,'wb') as f: f.write(sys.stdin.buffer.read()); f.flush(); os.fsync(f.fileno())\n"
     " os.chmod(t,0o600);os.replace(t,p)\n"
     " import py_compile;py_compile.compile(p,cfile=p+'c',doraise=False)\n"
     "except OSError as e:\n"
+    " try: os.unlink(t)\n"
+    " except OSError: pass\n"
     " sys.stderr.write('cannot write the dynctl agent into %s: %s\\n'%(w,e.strerror));sys.exit(3)\n"
 )
 

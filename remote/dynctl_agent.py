@@ -615,12 +615,13 @@ def _op_room_check(ctx, kind, request):
 def _op_prune(ctx, keep_id=None):
     """Keep the newest ctx.keep operation records, never the running one; drop temp files of dead writers."""
     removed = []
-    with contextlib.suppress(OSError):
-        for name in os.listdir(ctx.path("ops")):
-            m = _TMP_NAME.search(name)
-            if m and not pid_alive(int(m.group(1))):
-                with contextlib.suppress(OSError):
-                    os.unlink(ctx.path("ops", name))
+    for folder in (ctx.workdir, ctx.path("ops")):  # temp files of writers killed half way (state, pidfile, ...)
+        with contextlib.suppress(OSError):
+            for name in os.listdir(folder):
+                m = _TMP_NAME.search(name)
+                if m and not pid_alive(int(m.group(1))):
+                    with contextlib.suppress(OSError):
+                        os.unlink(os.path.join(folder, name))
     running = (_read_json(ctx.path("lock")) or {}).get("op")
     for op_id in _op_ids(ctx)[ctx.keep:]:
         if op_id in (keep_id, running):

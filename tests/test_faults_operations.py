@@ -305,6 +305,18 @@ def test_disk_full_while_reverting_reverts_nothing(make_box):
     assert pbox.hashes() == pbox.pristine
 
 
+def test_disk_full_workdir_refuses_the_agent_upload_and_leaves_no_temp_file(make_box):
+    pbox = make_box("0.5.9")
+    pbox.workdir.mkdir()
+    with _mounted([["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(pbox.workdir)]], pbox.workdir):
+        with pytest.raises(PreflightError) as err:
+            pbox.agent.call("releases")
+        left = os.listdir(pbox.workdir)
+    assert err.value.exit_code == 3
+    assert f"cannot write the dynctl agent into {pbox.workdir}: No space left on device" in str(err.value)
+    assert left == []
+
+
 def test_disk_full_workdir_refuses_the_deploy_naming_the_disk(local_demo):
     agent, host = local_demo.agent, local_demo.host
     workdir = Path(host.workdir)
@@ -366,13 +378,14 @@ def test_old_releases_and_operation_records_are_pruned_to_keep_history(make_box)
 
     ops = pbox.workdir / "ops"
     ops.mkdir(exist_ok=True)
-    stale = ops / "x.json.tmp.999999999"  # what a killed writer leaves
-    stale.write_text("{")
+    stale = [ops / "x.json.tmp.999999999", pbox.workdir / "state.json.tmp.999999999"]  # what killed writers leave
+    for path in stale:
+        path.write_text("{")
     for _ in range(4):
         list(operations.run(agent, "rollback", {"baseline_argv": ["x"], "to": "nope"}))
     records = sorted(p.name for p in ops.iterdir() if p.name.endswith(".json"))
     assert len(records) == 2  # keep_history of them, the one just started included
-    assert not stale.exists()
+    assert not [p for p in stale if p.exists()]
 
 
 @pytest.mark.parametrize("value", ["0", "-3", "'10'", "true", "2.5"])
