@@ -99,8 +99,8 @@ def stop_server(agent: AgentClient, grace: float = 60.0, on_event: EventSink = e
     t0 = time.monotonic()
     with _patience(agent, grace + _STOP_PORT_TIMEOUT_S + _STOP_GPU_TIMEOUT_S + _SLACK_S):
         try:
-            result = agent.call_through_drop("server_stop", "stop", grace=grace, port_timeout=_STOP_PORT_TIMEOUT_S,
-                                gpu_timeout=_STOP_GPU_TIMEOUT_S)
+            result = agent.call_through_drop("server_stop", "stop", grace=grace,
+                                             port_timeout=_STOP_PORT_TIMEOUT_S, gpu_timeout=_STOP_GPU_TIMEOUT_S)
         except AgentError as err:
             on_event(events.Failed("stop", str(err)))
             raise

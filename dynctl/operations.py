@@ -144,8 +144,8 @@ def interrupted(agent: AgentClient, kind: str, op_id: str) -> Interrupted:
     try:
         answer = agent.call("op_detach", op_id=op_id, kind=kind)
     except (DynctlError, KeyboardInterrupt) as err:
-        return Interrupted(f"{name}: interrupted; could not ask the host what became of the {kind} ({err}): "
-                           f"`dynctl ops follow {op_id}` shows it")
+        return Interrupted(f"{name}: interrupted; could not ask the host what became of the {kind} "
+                           f"({err or 'interrupted again'}): `dynctl ops follow {op_id}` shows it")
     finally:
         agent.timeout = old
     state = answer.get("state")
