@@ -128,11 +128,8 @@ class AgentClient:
                 return self.call(verb, **params)
             except HostKeyError:
                 raise
-            except UnreachableError:
-                dropped_at = dropped_at or time.monotonic()
-                if time.monotonic() - dropped_at > reconnect_for:
-                    raise
-                time.sleep(1.0)
+            except UnreachableError as err:
+                dropped_at = _pause_after_drop(err, dropped_at, reconnect_for)
             except AgentError as err:
                 holder = err.answer.get("holder") or {}
                 ours = (holder.get("operation") == lock and holder.get("who") == getpass.getuser()
@@ -150,11 +147,8 @@ class AgentClient:
                 return
             except HostKeyError:
                 raise
-            except UnreachableError:
-                dropped_at = dropped_at or time.monotonic()
-                if time.monotonic() - dropped_at > reconnect_for:
-                    raise
-                time.sleep(1.0)
+            except UnreachableError as err:
+                dropped_at = _pause_after_drop(err, dropped_at, reconnect_for)
 
     def _wait_unlocked(self, deadline: float) -> None:
         while self.call("op_current")["holder"] is not None:
@@ -225,3 +219,12 @@ class AgentClient:
             if stream.rc is None or stream.rc < 0:  # no exit status: the connection went away
                 raise UnreachableError(f"{self.host.name}: connection lost during agent stream '{verb}'")
             raise OperationFailed(f"{self.host.name}: agent stream '{verb}' ended early (rc {stream.rc})")
+
+
+def _pause_after_drop(err: UnreachableError, dropped_at: float | None, reconnect_for: float) -> float:
+    """A moment before the next attempt; `err` again once the host has stayed away for `reconnect_for`."""
+    dropped_at = dropped_at or time.monotonic()
+    if time.monotonic() - dropped_at > reconnect_for:
+        raise err
+    time.sleep(1.0)
+    return dropped_at

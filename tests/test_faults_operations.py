@@ -157,22 +157,28 @@ def test_the_same_operation_id_twice_starts_one_operation(local_demo):
 # --------------------------------------------------------------------------- Ctrl-C and `dynctl ops follow`
 
 
-def test_ctrl_c_during_a_deploy_says_it_goes_on_and_ops_follow_reattaches(box):
-    config = box(DYNCTL_SIM_SLOW_HEALTH="2")  # a health gate long enough to press Ctrl-C in
-    start_baseline(config)
-    workdir = workdir_of(config)
-    proc = subprocess.Popen([sys.executable, "-m", "dynctl", "deploy", "--threshold", "5", "--yes",
-                             "--config", str(config)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            stdin=subprocess.DEVNULL)
+def interrupt_dynctl(config: Path, args: list[str], when: Callable[[], bool]) -> tuple[int, str, str]:
+    """Run `dynctl ARGS --yes` and press Ctrl-C (SIGINT) as soon as `when` holds; its exit code and output."""
+    proc = subprocess.Popen([sys.executable, "-m", "dynctl", *args, "--yes", "--config", str(config)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
     try:
-        wait_for(lambda: any(e.get("step") == "health" for e in op_events(workdir)), 120, "the health step")
+        wait_for(when, 120, f"the moment to interrupt `dynctl {' '.join(args)}`")
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == 130, out + err
+    return proc.returncode, out, err
+
+
+def test_ctrl_c_during_a_deploy_says_it_goes_on_and_ops_follow_reattaches(box):
+    config = box(DYNCTL_SIM_SLOW_HEALTH="2")  # a health gate long enough to press Ctrl-C in
+    start_baseline(config)
+    workdir = workdir_of(config)
+    rc, out, err = interrupt_dynctl(config, ["deploy", "--threshold", "5"],
+                                    lambda: any(e.get("step") == "health" for e in op_events(workdir)))
+    assert rc == 130, out + err
     assert "the deploy continues on the host" in err and "`dynctl rollback` to undo it" in err
     op_id = re.search(r"`dynctl ops follow (\S+)`", err).group(1)
     assert (workdir / "ops" / f"{op_id}.json").exists()
@@ -197,17 +203,8 @@ def test_ctrl_c_during_a_restart_or_a_start_exits_130_saying_it_goes_on(box, ver
             return any(e.get("type") == "server_started" for e in op_events(workdir))
         return (workdir / "server.json").exists()
 
-    proc = subprocess.Popen([sys.executable, "-m", "dynctl", verb, "--yes", "--config", str(config)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
-    try:
-        wait_for(waiting_for_ready, 120, "the server to be started")
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 130, out + err
+    rc, out, err = interrupt_dynctl(config, [verb], waiting_for_ready)
+    assert rc == 130, out + err
     said = " ".join(err.split())
     if verb == "restart":
         assert "the restart continues on the host: `dynctl ops follow" in said
