@@ -5,6 +5,7 @@ Real sshd, the `pct` stand-in, the demo host, real tmpfs mounts.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -256,20 +257,28 @@ def test_ctrl_c_before_the_host_had_the_request_cancels_it(local_demo):
 # --------------------------------------------------------------------------- a full disk
 
 
-def test_disk_full_while_writing_a_candidate_leaves_no_partial_file(make_box):
-    """srt/speculative/ on a tmpfs with a few KiB free: the candidate write itself hits ENOSPC."""
-    pbox = make_box("0.5.9")
-    folder = pbox.path("srt/speculative")
-    keep = folder.parent / "speculative.orig"
+@contextlib.contextmanager
+def nearly_full(folder: Path) -> Iterator[None]:
+    """`folder` as it is, on a tmpfs mounted over it with 8 KiB left: less than any file the patch writes there."""
+    keep = folder.with_name(folder.name + ".kept")
     shutil.copytree(folder, keep)
     used = sum(p.stat().st_size for p in keep.rglob("*") if p.is_file())
     with _mounted([["mount", "-t", "tmpfs", "-o", f"size={used // 1024 + 256}k", "tmpfs", str(folder)]], folder):
         shutil.copytree(keep, folder, dirs_exist_ok=True)
         filler = folder / "filler"
-        filler.write_bytes(b"\0" * (shutil.disk_usage(folder).free - 8192))  # 8 KiB left: less than a candidate
+        filler.write_bytes(b"\0" * (shutil.disk_usage(folder).free - 8192))
+        try:
+            yield
+        finally:
+            filler.unlink()
+
+
+def test_disk_full_while_writing_a_candidate_leaves_no_partial_file(make_box):
+    """srt/speculative/ nearly full: the candidate write itself hits ENOSPC."""
+    pbox = make_box("0.5.9")
+    with nearly_full(pbox.path("srt/speculative")):
         with pytest.raises(AgentError) as err:
             apply_plan(pbox.agent, plan_for_apply(read_patch_state(pbox.agent)))
-        filler.unlink()
         leftovers = pbox.leftovers()
     assert err.value.exit_code == 3, err.value
     assert "No space left on device" in str(err.value) and "nothing was changed" in str(err.value)
@@ -282,16 +291,9 @@ def test_disk_full_while_reverting_reverts_nothing(make_box):
     pbox = make_box("0.5.9")
     apply_plan(pbox.agent, plan_for_apply(read_patch_state(pbox.agent)))
     patched = pbox.hashes()
-    folder = pbox.path("srt/speculative")
-    keep = folder.parent / "speculative.patched"
-    shutil.copytree(folder, keep)
-    used = sum(p.stat().st_size for p in keep.rglob("*") if p.is_file())
-    with _mounted([["mount", "-t", "tmpfs", "-o", f"size={used // 1024 + 256}k", "tmpfs", str(folder)]], folder):
-        shutil.copytree(keep, folder, dirs_exist_ok=True)
-        (folder / "filler").write_bytes(b"\0" * (shutil.disk_usage(folder).free - 8192))
+    with nearly_full(pbox.path("srt/speculative")):
         with pytest.raises(AgentError) as err:
             pbox.agent.call("patch_revert")
-        (folder / "filler").unlink()
         during = pbox.hashes()
         leftovers = pbox.leftovers()
     assert err.value.exit_code == 3 and "nothing was reverted" in str(err.value), err.value
