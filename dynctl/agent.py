@@ -5,12 +5,21 @@ from __future__ import annotations
 import getpass
 import json
 import socket
+import time
 from collections.abc import Iterator
 from typing import Any
 
 from dynctl import resources
-from dynctl.config import HostConfig
-from dynctl.errors import DynctlError, OperationFailed, PreflightError, UnreachableError, UsageError
+from dynctl.config import HostConfig, workdir_problem
+from dynctl.errors import (
+    ConfigError,
+    DynctlError,
+    HostKeyError,
+    OperationFailed,
+    PreflightError,
+    UnreachableError,
+    UsageError,
+)
 from dynctl.transport.base import Transport
 
 PROTOCOL = 1
@@ -35,13 +44,15 @@ _BOOT = (
 # Writes the agent from stdin into workdir atomically (no SFTP: works through pct too).
 _UPLOAD = (
     "import os,sys\n"
-    "w=os.path.expanduser(sys.argv[1]);p=os.path.join(w,'agent-'+sys.argv[2]+'.py')\n"
+    "w=os.path.expanduser(sys.argv[1]);p=os.path.join(w,'agent-'+sys.argv[2]+'.py');t=p+'.tmp.%d'%os.getpid()\n"
     "try:\n"
-    " os.makedirs(w,0o700,exist_ok=True);t=p+'.tmp.%d'%os.getpid()\n"
+    " os.makedirs(w,0o700,exist_ok=True)\n"
     " with open(t,'wb') as f: f.write(sys.stdin.buffer.read()); f.flush(); os.fsync(f.fileno())\n"
     " os.chmod(t,0o600);os.replace(t,p)\n"
     " import py_compile;py_compile.compile(p,cfile=p+'c',doraise=False)\n"
     "except OSError as e:\n"
+    " try: os.unlink(t)\n"
+    " except OSError: pass\n"
     " sys.stderr.write('cannot write the dynctl agent into %s: %s\\n'%(w,e.strerror));sys.exit(3)\n"
 )
 
@@ -59,6 +70,8 @@ class AgentError(DynctlError):
 
 class AgentClient:
     def __init__(self, transport: Transport, host: HostConfig, timeout: float = 120.0) -> None:
+        if problem := workdir_problem(host.workdir):  # config files are checked; hosts built in code are not
+            raise ConfigError(f"hosts.{host.name}.workdir: {problem}")
         self.transport = transport
         self.host = host
         self.timeout = timeout
@@ -77,6 +90,7 @@ class AgentClient:
                 "env": self.host.env,
                 "launch": self.host.launch_argv(),
                 "args": list(self.host.args),
+                "keep_history": self.host.keep_history,
             },
             "client": {"user": getpass.getuser(), "hostname": socket.gethostname()},
         }).encode()
@@ -102,6 +116,47 @@ class AgentClient:
         """Run a verb; return its `result`, or raise AgentError with the agent's message."""
         answer = self._call_raw(verb, params)
         return answer.get("result")
+
+    def call_through_drop(self, verb: str, lock: str, reconnect_for: float = 60.0, **params: Any) -> Any:
+        """call() for a verb that is safe to send twice because it finds what an earlier one did (stop, start).
+
+        After a dropped connection: reconnect and send it again, so the answer says what the host did rather
+        than "unreachable"; while the first request still holds the host (`lock`, taken by us), wait for it.
+        """
+        dropped_at: float | None = None
+        while True:
+            try:
+                return self.call(verb, **params)
+            except HostKeyError:
+                raise
+            except UnreachableError as err:
+                dropped_at = _pause_after_drop(err, dropped_at, reconnect_for)
+            except AgentError as err:
+                holder = err.answer.get("holder") or {}
+                ours = (holder.get("operation") == lock and holder.get("who") == getpass.getuser()
+                        and holder.get("client_host") == socket.gethostname())
+                if dropped_at is None or err.kind != "busy" or not ours:
+                    raise
+                self._wait_unlocked(dropped_at + reconnect_for + self.timeout)
+
+    def stream_through_drop(self, verb: str, reconnect_for: float = 60.0, **params: Any) -> Iterator[dict[str, Any]]:
+        """stream() for a verb that only looks (a readiness wait): after a dropped connection, open it again."""
+        dropped_at: float | None = None
+        while True:
+            try:
+                yield from self.stream(verb, **params)
+                return
+            except HostKeyError:
+                raise
+            except UnreachableError as err:
+                dropped_at = _pause_after_drop(err, dropped_at, reconnect_for)
+
+    def _wait_unlocked(self, deadline: float) -> None:
+        while self.call("op_current")["holder"] is not None:
+            if time.monotonic() > deadline:
+                raise UnreachableError(f"{self.host.name}: the request sent before the connection dropped still "
+                                       "holds the host; see `dynctl status`")
+            time.sleep(0.5)
 
     def _call_raw(self, verb: str, params: dict[str, Any]) -> dict[str, Any]:
         request = self._request(verb, params)
@@ -165,3 +220,12 @@ class AgentClient:
             if stream.rc is None or stream.rc < 0:  # no exit status: the connection went away
                 raise UnreachableError(f"{self.host.name}: connection lost during agent stream '{verb}'")
             raise OperationFailed(f"{self.host.name}: agent stream '{verb}' ended early (rc {stream.rc})")
+
+
+def _pause_after_drop(err: UnreachableError, dropped_at: float | None, reconnect_for: float) -> float:
+    """A moment before the next attempt; `err` again once the host has stayed away for `reconnect_for`."""
+    dropped_at = dropped_at or time.monotonic()
+    if time.monotonic() - dropped_at > reconnect_for:
+        raise err
+    time.sleep(1.0)
+    return dropped_at

@@ -12,8 +12,10 @@ from typing import Any
 from dynctl.errors import ConfigError, UsageError
 
 DEFAULT_LAUNCH = ("{python}", "-m", "sglang.launch_server")
+DEFAULT_KEEP_HISTORY = 20  # finished releases and operation records a host keeps in its workdir
 LOCAL_HOST = "local"
 _HOST_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_HOME_PATH = re.compile(r"^~[A-Za-z0-9_.-]*(/|$)")  # ~, ~/x, ~user/x: a home on the host
 _SSH_TARGET = re.compile(r"^(?:(?P<user>[^@\s]+)@)?(?P<host>\[[^\]]+\]|[^:@\s]+)(?::(?P<port>\d+))?$")
 
 
@@ -52,6 +54,7 @@ class HostConfig:
     identity_file: str | None = None
     accept_new_host_key: bool = False
     simulated: bool = False
+    keep_history: int = DEFAULT_KEEP_HISTORY
 
     @property
     def route(self) -> str:
@@ -172,8 +175,17 @@ def parse_ssh_target(text: str) -> SSHTarget:
 
 _HOST_KEYS = {
     "ssh", "pct", "python", "workdir", "port", "env", "args", "launch",
-    "identity_file", "accept_new_host_key", "simulated",
+    "identity_file", "accept_new_host_key", "simulated", "keep_history",
 }
+
+
+def workdir_problem(workdir: str) -> str | None:
+    """Why `workdir` cannot be one, or None. One rule for every transport: absolute, or under the remote
+    home as ~/...; a relative path would follow whatever directory dynctl happened to run in (the client's
+    cwd locally, the login or container home over SSH and pct), so two shells could split a host's lock."""
+    if workdir.startswith("/") or _HOME_PATH.match(workdir):
+        return None
+    return f"'{workdir}' is relative: use an absolute path, or ~/... for the home directory on the host"
 
 
 def _parse_host(name: str, raw: Any, where: str) -> HostConfig:
@@ -206,12 +218,20 @@ def _parse_host(name: str, raw: Any, where: str) -> HostConfig:
             value = _opt_str(raw, k, where, f"{key}.{k}")
             if not value:
                 raise ConfigError(f"{where}: {key}.{k}: must not be empty")
+            if k == "workdir" and (problem := workdir_problem(value)):
+                raise ConfigError(f"{where}: {key}.workdir: {problem}")
             host = replace(host, **{k: value})
     if "port" in raw:
         port = raw["port"]
         if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
             raise ConfigError(f"{where}: {key}.port: expected an integer 1-65535, got {port!r}")
         host = replace(host, port=port)
+    if "keep_history" in raw:
+        keep = raw["keep_history"]
+        if not isinstance(keep, int) or isinstance(keep, bool) or not 1 <= keep <= 100_000:
+            raise ConfigError(f"{where}: {key}.keep_history: expected how many finished releases and operation "
+                              f"records to keep, an integer 1-100000, got {keep!r}")
+        host = replace(host, keep_history=keep)
     if "env" in raw:
         env = raw["env"]
         if not isinstance(env, dict) or not all(isinstance(v, (str, int, float, bool)) for v in env.values()):

@@ -8,7 +8,7 @@ from typing import Any
 from dynctl import events, operations
 from dynctl.agent import AgentClient
 from dynctl.config import HostConfig
-from dynctl.errors import OperationFailed, PreflightError, UsageError
+from dynctl.errors import OperationFailed, PreflightError
 from dynctl.lifecycle import server_argv
 from dynctl.native import plan_native
 from dynctl.patching import parse_threshold, plan_patch, strategy_for
@@ -54,7 +54,7 @@ def plan_deploy(agent: AgentClient, host: HostConfig, threshold: Any) -> DeployP
         raise PreflightError(f"{host.name}: sglang is not installed for {state.python}; nothing to deploy to")
     strategy = strategy_for(state.version)  # refuses unsupported versions (exit 3)
     if strategy == "patch":
-        plan = plan_for_apply(state)
+        plan = plan_for_apply(state, host.name)
         if plan.status == "applied":
             files: list[dict[str, Any]] = []
         else:
@@ -105,43 +105,6 @@ def _already_deployed(dplan: DeployPlan, release: dict[str, Any] | None, info: d
             f"is serving; nothing to do")
 
 
-def _relay(event: dict[str, Any], on_event: events.EventSink) -> None:
-    kind = event.get("type")
-    if kind == "step_started":
-        on_event(events.StepStarted(event["step"], event.get("detail") or ""))
-    elif kind == "step_done":
-        on_event(events.StepDone(event["step"], event.get("seconds") or 0.0))
-    elif kind == "log":
-        on_event(events.LogLine(event.get("text", "")))
-    elif kind in ("warning",):
-        on_event(events.Warning(event.get("text", "")))
-    elif kind == "info":
-        on_event(events.LogLine(event.get("text", "")))
-
-
-def run_operation(agent: AgentClient, kind: str, params: dict[str, Any],
-                  on_event: events.EventSink = events.ignore) -> dict[str, Any]:
-    """Start `kind` on the host, relay its events, and turn its final word into a result or an error."""
-    final: dict[str, Any] = {}
-    current_step = kind
-    for event in operations.run(agent, kind, params):
-        if event.get("type") == "step_started":
-            current_step = event["step"]
-        if event.get("final"):
-            final = event
-            break
-        _relay(event, on_event)
-    if final.get("ok"):
-        return final
-    message = final.get("error") or f"{kind} failed"
-    on_event(events.Failed(current_step, message, tuple(final.get("log_tail") or ())))
-    if final.get("kind") in ("preflight", "busy"):
-        raise PreflightError(f"{agent.host.name}: {message}")
-    if final.get("kind") == "usage":
-        raise UsageError(f"{agent.host.name}: {message}")
-    raise OperationFailed(f"{agent.host.name}: {message}")
-
-
 def deploy(agent: AgentClient, dplan: DeployPlan, on_event: events.EventSink = events.ignore,
            grace: float = 60.0, ready_timeout: float = 900.0) -> dict[str, Any]:
     params = {
@@ -149,7 +112,7 @@ def deploy(agent: AgentClient, dplan: DeployPlan, on_event: events.EventSink = e
         "threshold": dplan.threshold, "launch_argv": dplan.launch_argv, "baseline_argv": dplan.baseline_argv,
         "artifacts": dplan.artifacts, "grace": grace, "ready_timeout": ready_timeout,
     }
-    return run_operation(agent, "deploy", params, on_event)
+    return operations.execute(agent, "deploy", params, on_event)
 
 
 def rollback(agent: AgentClient, host: HostConfig, to: str | None = None,
@@ -157,7 +120,7 @@ def rollback(agent: AgentClient, host: HostConfig, to: str | None = None,
              ready_timeout: float = 900.0) -> dict[str, Any]:
     refuse_if_busy(agent)
     params = {"baseline_argv": server_argv(host), "to": to, "grace": grace, "ready_timeout": ready_timeout}
-    return run_operation(agent, "rollback", params, on_event)
+    return operations.execute(agent, "rollback", params, on_event)
 
 
 def set_threshold(agent: AgentClient, threshold: Any) -> dict[str, Any]:

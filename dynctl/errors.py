@@ -45,3 +45,9 @@ class CommandTimeout(DynctlError):
     """A command on the host did not finish in time."""
 
     exit_code = 1
+
+
+class Interrupted(DynctlError):
+    """Ctrl-C while following an operation; the message says what became of it on the host."""
+
+    exit_code = 130

@@ -12,10 +12,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from dynctl import events
+from dynctl import events, operations
 from dynctl.agent import AgentClient, AgentError
 from dynctl.config import HostConfig
-from dynctl.errors import ConfigError, OperationFailed
+from dynctl.errors import ConfigError, DynctlError, OperationFailed
 from dynctl.events import EventSink
 
 # dynctl adds these itself (SPEC §3); a config that sets them would fight with it.
@@ -99,8 +99,8 @@ def stop_server(agent: AgentClient, grace: float = 60.0, on_event: EventSink = e
     t0 = time.monotonic()
     with _patience(agent, grace + _STOP_PORT_TIMEOUT_S + _STOP_GPU_TIMEOUT_S + _SLACK_S):
         try:
-            result = agent.call("server_stop", grace=grace, port_timeout=_STOP_PORT_TIMEOUT_S,
-                                gpu_timeout=_STOP_GPU_TIMEOUT_S)
+            result = agent.call_through_drop("server_stop", "stop", grace=grace,
+                                             port_timeout=_STOP_PORT_TIMEOUT_S, gpu_timeout=_STOP_GPU_TIMEOUT_S)
         except AgentError as err:
             on_event(events.Failed("stop", str(err)))
             raise
@@ -141,7 +141,8 @@ def start_server(agent: AgentClient, argv: Sequence[str], env: dict[str, str] | 
     on_event(events.StepStarted("start", " ".join(argv)))
     t0 = time.monotonic()
     try:
-        result = agent.call("server_start", argv=list(argv), env=dict(env or {}), release=release)
+        result = agent.call_through_drop("server_start", "start", argv=list(argv), env=dict(env or {}),
+                                         release=release)
     except AgentError as err:
         on_event(events.Failed("start", str(err)))
         raise
@@ -158,7 +159,7 @@ def wait_ready(agent: AgentClient, ready_timeout: float = 900.0,
     on_event(events.StepStarted("ready", f"/health_generate and one /generate, up to {ready_timeout:g} s"))
     t0 = time.monotonic()
     try:
-        for item in agent.stream("server_wait_ready", ready_timeout=ready_timeout):
+        for item in agent.stream_through_drop("server_wait_ready", ready_timeout=ready_timeout):
             done = _relay_ready_item(item, on_event)
             if done is not None:
                 on_event(events.StepDone("ready", time.monotonic() - t0, _ready_detail(done)))
@@ -171,36 +172,38 @@ def wait_ready(agent: AgentClient, ready_timeout: float = 900.0,
 def restart_server(agent: AgentClient, argv: Sequence[str] | None = None, env: dict[str, str] | None = None,
                    grace: float = 60.0, ready_timeout: float = 900.0,
                    on_event: EventSink = events.ignore) -> dict[str, Any]:
-    """stop → start → wait in ONE agent process on the host; argv None reuses the last recorded start."""
+    """stop → start → wait as ONE operation on the host (a dropped connection cannot leave it between, and
+    the client follows it through reconnects); argv None reuses the last recorded start."""
     on_event(events.StepStarted("stop", f"SIGTERM, drain up to {grace:g} s"))
     t0 = time.monotonic()
     params: dict[str, Any] = {"grace": grace, "ready_timeout": ready_timeout}
     if argv is not None:
         params.update(argv=list(argv), env=dict(env or {}))
-    try:
-        for item in agent.stream("server_restart", **params):
-            kind = item.get("event")
-            if kind == "stopped":
-                report_stop(item["result"], time.monotonic() - t0, on_event)
-                t0 = time.monotonic()
-                on_event(events.StepStarted("start", "as recorded" if argv is None else " ".join(argv)))
-            elif kind == "started":
-                started = item["result"]
-                on_event(events.StepDone("start", time.monotonic() - t0,
-                                         f"pid {started['pid']}: {' '.join(started.get('argv') or [])}"))
-                t0 = time.monotonic()
-                on_event(events.StepStarted("ready", f"up to {ready_timeout:g} s"))
-            else:
-                done = _relay_ready_item(item, on_event)
-                if done is not None:
-                    on_event(events.StepDone("ready", time.monotonic() - t0, _ready_detail(done)))
-                    return done
-    except AgentError as err:
-        if err.answer.get("reason"):
-            raise _start_failed(err, on_event) from None
-        on_event(events.Failed("restart", str(err)))
-        raise
-    raise OperationFailed("the restart stream ended without an answer")
+
+    def relay(event: dict[str, Any], sink: EventSink) -> None:
+        nonlocal t0
+        kind = event.get("type")
+        if kind == "server_stopped":
+            report_stop(event["result"], time.monotonic() - t0, sink)
+            t0 = time.monotonic()
+            sink(events.StepStarted("start", "as recorded" if argv is None else " ".join(argv)))
+        elif kind == "server_started":
+            started = event["result"]
+            sink(events.StepDone("start", time.monotonic() - t0,
+                                 f"pid {started['pid']}: {' '.join(started.get('argv') or [])}"))
+            t0 = time.monotonic()
+            sink(events.StepStarted("ready", f"up to {ready_timeout:g} s"))
+        elif kind in ("log", "warning"):
+            operations.relay(event, sink)
+
+    def failure(final: dict[str, Any], message: str) -> DynctlError:
+        if final.get("reason"):  # the server did not become ready: crash, traceback or timeout
+            return ServerStartFailed(message, final["reason"], final.get("log_tail") or (), final.get("pid"))
+        return operations.error_for(final, message)
+
+    done = operations.execute(agent, "restart", params, on_event, relay, failure)
+    on_event(events.StepDone("ready", time.monotonic() - t0, _ready_detail(done)))
+    return done
 
 
 def _relay_ready_item(item: dict[str, Any], on_event: EventSink) -> dict[str, Any] | None:

@@ -1,60 +1,161 @@
-"""Start a host-side operation and follow its events, surviving a dropped connection (UI-free)."""
+"""Host-side operations (deploy, rollback, restart): start one, follow it, and turn its end into a result (UI-free).
+
+The client chooses the operation's id and sends it with the request, which makes starting idempotent: when
+the connection drops before the client has seen a word, it reconnects and sends the same request again,
+and the host, which may already run it, follows the one it has instead of starting a second. Whatever the
+connection does, the client reports what the host did.
+"""
 
 from __future__ import annotations
 
+import datetime as dt
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from dynctl import events
 from dynctl.agent import AgentClient
-from dynctl.errors import OperationFailed, UnreachableError
+from dynctl.errors import (
+    DynctlError,
+    HostKeyError,
+    Interrupted,
+    OperationFailed,
+    PreflightError,
+    UnreachableError,
+    UsageError,
+)
 
 Event = dict[str, Any]
+Relay = Callable[[Event, events.EventSink], None]
+Failure = Callable[[Event, str], DynctlError]
+LATEST = "latest"
+RECONNECT_FOR_S = 60.0
 
 
-def run(agent: AgentClient, kind: str, params: dict[str, Any]) -> Iterator[Event]:
-    """Start an operation and follow it in one round trip; if the connection drops, follow it again."""
-    op_id = None
-    try:
-        for item in agent.stream("op_run", kind=kind, params=params):
-            event = item["op"]
-            op_id = event.get("op_id", op_id)
-            yield event
-            if event.get("final"):
-                return
-    except UnreachableError:
-        if op_id is None:  # lost before the worker started: nothing happened on the host
-            raise
-        yield {"type": "warning", "text": "connection lost; reconnecting to follow the operation"}
-        yield from follow(agent, op_id)
-        return
-    raise OperationFailed(f"{agent.host.name}: the {kind} operation ended without a final event")
+def new_op_id(kind: str) -> str:
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%S")
+    return f"{stamp}-{kind}-{uuid.uuid4().hex[:12]}"
 
 
-def follow(agent: AgentClient, op_id: str | None = None, reconnect_for: float = 60.0,
+def run(agent: AgentClient, kind: str, params: dict[str, Any], op_id: str | None = None,
+        reconnect_for: float = RECONNECT_FOR_S, sleep: Callable[[float], None] = time.sleep) -> Iterator[Event]:
+    """Start `kind` as `op_id` and yield its events until the final one, through dropped connections."""
+    op_id = op_id or new_op_id(kind)
+    return _events(agent, "op_run", {"kind": kind, "params": params, "op_id": op_id}, op_id, kind,
+                   reconnect_for, sleep)
+
+
+def follow(agent: AgentClient, op_id: str = LATEST, reconnect_for: float = RECONNECT_FOR_S,
            sleep: Callable[[float], None] = time.sleep) -> Iterator[Event]:
-    """Yield an operation's events until its final one; on a dropped connection, reconnect and resume.
+    """Yield the events of an operation that runs or ran (an id, or "latest") from its first to its final one."""
+    return _events(agent, "op_follow", {"op_id": op_id}, op_id, "operation", reconnect_for, sleep)
 
-    The operation itself runs detached on the host, so losing the connection loses only the view.
-    """
+
+def _events(agent: AgentClient, verb: str, params: dict[str, Any], op_id: str, kind: str, reconnect_for: float,
+            sleep: Callable[[float], None]) -> Iterator[Event]:
     seen = 0
     deadline: float | None = None
     while True:
         try:
-            for item in agent.stream("op_follow", op_id=op_id, from_line=seen):
+            for item in agent.stream(verb, from_line=seen, **params):
                 event = item["op"]
                 deadline = None
                 seen = event.get("seq", seen + 1)
-                op_id = event.get("op_id", op_id)
+                if event.get("op_id") and params.get("op_id") == LATEST:
+                    params["op_id"] = op_id = event["op_id"]  # after a reconnect: this one, not a newer one
                 yield event
                 if event.get("final"):
                     return
-        except UnreachableError:
+        except HostKeyError:
+            raise
+        except UnreachableError as err:
             if deadline is None:
                 deadline = time.monotonic() + reconnect_for
             if time.monotonic() > deadline:
-                raise
-            yield {"type": "warning", "text": "connection lost; reconnecting to follow the operation"}
+                raise UnreachableError(f"{err}; the {kind} {op_id} may still run there: "
+                                       f"`dynctl ops follow {op_id}` shows it once the host answers") from None
+            yield {"type": "warning", "text": f"connection lost; reconnecting to follow the {kind} ({op_id})"}
             sleep(1.0)
             continue
-        return  # the stream ended without a final event: agent.stream has already raised for that
+        raise OperationFailed(f"{agent.host.name}: the {kind} {op_id} ended without a final event")
+
+
+def relay(event: Event, on_event: events.EventSink) -> None:
+    """An operation's event as a core event (steps, log lines, warnings)."""
+    kind = event.get("type")
+    if kind == "step_started":
+        on_event(events.StepStarted(event["step"], event.get("detail") or ""))
+    elif kind == "step_done":
+        on_event(events.StepDone(event["step"], event.get("seconds") or 0.0))
+    elif kind in ("log", "info"):
+        on_event(events.LogLine(event.get("text", "")))
+    elif kind == "warning":
+        on_event(events.Warning(event.get("text", "")))
+
+
+def execute(agent: AgentClient, kind: str, params: dict[str, Any], on_event: events.EventSink = events.ignore,
+            relay_event: Relay = relay, failure: Failure | None = None, op_id: str | None = None) -> dict[str, Any]:
+    """Run `kind` on the host, relay its events, and turn its final word into a result or an error.
+
+    Ctrl-C stops the following, not the operation: Interrupted (exit 130) says what became of it.
+    """
+    op_id = op_id or new_op_id(kind)
+    try:
+        return conclude(agent, kind, run(agent, kind, params, op_id), on_event, relay_event, failure)
+    except KeyboardInterrupt:
+        raise interrupted(agent, kind, op_id) from None
+
+
+def error_for(final: Event, message: str) -> DynctlError:
+    """The error for a final event that did not succeed; its exit code tells the outcome: 1 failed (rolled back
+    where that applies), 2 a usage error, 3 refused or cancelled with nothing changed."""
+    if final.get("kind") in ("preflight", "busy", "cancelled"):
+        return PreflightError(message)
+    if final.get("kind") == "usage":
+        return UsageError(message)
+    return OperationFailed(message)
+
+
+def conclude(agent: AgentClient, kind: str, stream: Iterator[Event], on_event: events.EventSink = events.ignore,
+             relay_event: Relay = relay, failure: Failure | None = None) -> dict[str, Any]:
+    """Relay `stream` up to its final event; return that event when it succeeded, else raise `failure`'s error."""
+    final: Event = {}
+    current_step = kind
+    for event in stream:
+        if event.get("type") == "step_started":
+            current_step = event["step"]
+        if event.get("final"):
+            final = event
+            break
+        relay_event(event, on_event)
+    if final.get("ok"):
+        return final
+    message = final.get("error") or f"{kind} failed"
+    on_event(events.Failed(current_step, message, tuple(final.get("log_tail") or ())))
+    raise (failure or error_for)(final, f"{agent.host.name}: {message}")
+
+
+def interrupted(agent: AgentClient, kind: str, op_id: str) -> Interrupted:
+    """After Ctrl-C: ask the host what became of `op_id` (claiming it as cancelled if it never arrived)."""
+    name = agent.host.name
+    old = agent.timeout
+    agent.timeout = min(old, 15.0)
+    try:
+        answer = agent.call("op_detach", op_id=op_id, kind=kind)
+    except (DynctlError, KeyboardInterrupt) as err:
+        return Interrupted(f"{name}: interrupted; could not ask the host what became of the {kind} "
+                           f"({err or 'interrupted again'}): `dynctl ops follow {op_id}` shows it")
+    finally:
+        agent.timeout = old
+    state = answer.get("state")
+    if state == "cancelled":
+        return Interrupted(f"{name}: interrupted before the {kind} started there; nothing was changed")
+    if state == "finished":
+        final = answer.get("final") or {}
+        how = "succeeded" if final.get("ok") else f"failed: {final.get('error')}"
+        return Interrupted(f"{name}: interrupted, but the {kind} had already ended there and {how} "
+                           f"(`dynctl ops follow {op_id}` shows it)")
+    undo = ", `dynctl rollback` to undo it" if kind == "deploy" else ""
+    return Interrupted(f"{name}: interrupted; the {kind} continues on the host: `dynctl ops follow {op_id}` to "
+                       f"watch it{undo}")

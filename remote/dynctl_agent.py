@@ -78,6 +78,7 @@ class Context:
         self.launch = list(host.get("launch") or [])
         self.args = list(host.get("args") or [])
         self.name = host.get("name") or socket.gethostname()
+        self.keep = _keep_history(host.get("keep_history"))
         self.client = client or {}
         self.changed = False
 
@@ -96,6 +97,25 @@ class Context:
 
     def path(self, *parts):
         return os.path.join(self.workdir, *parts)
+
+
+KEEP_HISTORY = 20  # finished releases and operation records kept in workdir (the config's keep_history)
+
+
+def _keep_history(value):
+    if value is None:
+        return KEEP_HISTORY
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise AgentError("keep_history must be an integer >= 1, got %r" % (value,), "usage")
+    return value
+
+
+def workdir_problem(workdir):
+    """Why `workdir` cannot be used, or None: a relative one would follow whatever directory the agent was
+    started in (the login or container home over SSH and pct, the client's cwd locally)."""
+    if not workdir or not os.path.isabs(os.path.expanduser(workdir)):
+        return "workdir %r is relative: use an absolute path, or ~/... for the remote home" % (workdir,)
+    return None
 
 
 # --------------------------------------------------------------------------- journal and lock
@@ -144,10 +164,17 @@ def process_start_time(pid):
 
 
 @contextlib.contextmanager
-def host_lock(ctx, operation):
-    """One operation per host: workdir/lock names the holder; a dead holder's lock is taken over."""
+def host_lock(ctx, operation, op=None):
+    """One operation per host: workdir/lock names the holder; a dead holder's lock is taken over.
+
+    Re-entrant for the process that holds it: an operation worker runs verbs that take the lock themselves.
+    """
     ctx.ensure_workdir()
     path = ctx.path("lock")
+    held = _read_json(path) or {}
+    if held.get("pid") == os.getpid() and held.get("pid_start") == process_start_time(os.getpid()):
+        yield held
+        return
     me = {
         "operation": operation,
         "who": ctx.who,
@@ -155,6 +182,7 @@ def host_lock(ctx, operation):
         "pid": os.getpid(),
         "pid_start": process_start_time(os.getpid()),
         "started": now_iso(),
+        "op": op,
     }
     for _ in range(3):
         try:
@@ -177,8 +205,14 @@ def host_lock(ctx, operation):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
             continue
-        with os.fdopen(fd, "w") as f:
-            json.dump(me, f)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(me, f)
+        except OSError as err:  # a full disk: an empty lock would read as "being written" to the next one
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            raise AgentError("cannot write the host lock %s: %s; nothing was changed" % (path, err.strerror or err),
+                             "preflight")
         break
     else:
         raise AgentError("could not take the host lock %s" % path, "busy")
@@ -191,6 +225,19 @@ def host_lock(ctx, operation):
 
 
 @contextlib.contextmanager
+def signals_deferred():
+    """Hold SIGHUP, SIGTERM and SIGINT until the block ends: a few steps that must happen together (claim an
+    operation, take the lock, start its worker, hand the lock over) are not cut in two by a dropped
+    connection; a signal that came meanwhile is delivered afterwards."""
+    held = {signal.SIGHUP, signal.SIGTERM, signal.SIGINT}
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+@contextlib.contextmanager
 def hangup_shield():
     """A dropped SSH channel must not interrupt a transaction half way: SIGHUP is ignored meanwhile."""
     old = signal.signal(signal.SIGHUP, signal.SIG_IGN)
@@ -200,16 +247,31 @@ def hangup_shield():
         signal.signal(signal.SIGHUP, old)
 
 
-def write_json_atomic(path, obj):
-    """Replace `path` with `obj` as JSON (0600): a temp file beside it, fsync, rename. Readers see old or new."""
+def write_json_atomic(path, obj, exclusive=False):
+    """Replace `path` with `obj` as JSON (0600): a temp file beside it, fsync, rename. Readers see old or new.
+
+    exclusive: create `path` only if it does not exist yet (a hard link instead of the rename); returns
+    False, writing nothing, when it does. A failed write (a full disk) leaves no temp file behind.
+    """
     tmp = "%s.tmp.%d" % (path, os.getpid())
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=1, sort_keys=True, default=str)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=1, sort_keys=True, default=str)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        if not exclusive:
+            os.replace(tmp, path)
+            return True
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+        return True
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
 
 
 def _read_json(path):
@@ -391,18 +453,30 @@ def ping(ctx, **_):
     return {"pong": True, "time": time.time()}
 
 
-# ---- operations (issue 5)
+# ---- operations
 #
-# A host-changing operation (deploy, rollback) runs as ONE detached agent process on the host, in its own
-# session, holding the host lock under its own pid. The client only starts it and follows its event file,
-# so a dropped SSH connection never interrupts a critical sequence: the worker finishes, and the next
+# A host-changing operation (deploy, rollback, restart) runs as ONE detached agent process on the host, in
+# its own session, holding the host lock under its own pid. The client only starts it and follows its event
+# file, so a dropped SSH connection never interrupts a critical sequence: the worker finishes, and the next
 # client sees either the lock held by a live worker (and can follow it) or the final state.
 #
-#   workdir/ops/<id>.json      the request (kind, params, client)
+# The client chooses the operation's id and sends it with the request, so starting is idempotent: the
+# request file is claimed exclusively, and the same id sent again (by a client whose connection dropped
+# before it saw a word) starts nothing and follows what the first request started. Every claimed id ends
+# with a final event: the worker's, the refusal's (host busy), or a cancellation (op_detach: the client gave
+# up before the host had the request). A follower that finds no worker and no final says what the host did.
+#
+#   workdir/ops/<id>.json      the request (kind, params, client, received)
 #   workdir/ops/<id>.jsonl     events, one JSON object per line; the last one has "final": true
 #   workdir/ops/<id>.log       the worker's own stdout/stderr (tracebacks land here)
+#
+# The newest keep_history records are kept (op_start prunes older ones; never the running one).
 
 OPS = {}
+_OP_ID = re.compile(r"^\d{8}T\d{6}-[a-z]+-[0-9a-f]{6,32}$")
+_OP_GONE_S = 2.0  # how long a follower waits for a worker it cannot see before it calls it gone
+_OP_ROOM = 1 << 20  # free bytes an operation wants in workdir on top of its request (events, journal, state)
+_TMP_NAME = re.compile(r"\.tmp\.(\d+)$")
 
 
 def operation(name):
@@ -413,8 +487,20 @@ def operation(name):
     return register
 
 
+def _op_append(path, record):
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        os.write(fd, (json.dumps(record, default=str) + "\n").encode())
+    finally:
+        os.close(fd)
+
+
 class OpLog:
-    """Events of one operation, appended to its .jsonl and mirrored into the journal."""
+    """Events of one operation, appended to its .jsonl and mirrored into the journal.
+
+    The events are the client's view, not the transaction: a write that fails (a full disk) costs the view,
+    never the operation half way. Only the first event must land, or the worker does nothing at all.
+    """
 
     def __init__(self, ctx, op_id, kind):
         self.ctx = ctx
@@ -423,18 +509,22 @@ class OpLog:
         self.path = ctx.path("ops", op_id + ".jsonl")
         self.t0 = time.monotonic()
         self.step_t0 = {}
+        self.lost = 0
 
-    def emit(self, type_, **fields):
+    def emit(self, type_, required=False, **fields):
         record = {"t": now_iso(), "elapsed": round(time.monotonic() - self.t0, 3), "type": type_}
         record.update(fields)
-        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:
-            os.write(fd, (json.dumps(record, default=str) + "\n").encode())
-        finally:
-            os.close(fd)
+            _op_append(self.path, record)
+        except OSError:
+            if required:
+                raise
+            self.lost += 1
+            return
         if type_ != "log":
-            journal(self.ctx, "%s.%s" % (self.kind, type_), op=self.op_id,
-                    **{k: v for k, v in fields.items() if k != "lines"})
+            with contextlib.suppress(OSError, AgentError):
+                journal(self.ctx, "%s.%s" % (self.kind, type_), op=self.op_id,
+                        **{k: v for k, v in fields.items() if k != "lines"})
 
     @contextlib.contextmanager
     def step(self, name, detail=None):
@@ -452,33 +542,152 @@ class OpLog:
 
 def _new_op_id(kind):
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S")
-    return "%s-%s-%s" % (stamp, kind, os.urandom(3).hex())
+    return "%s-%s-%s" % (stamp, kind, os.urandom(6).hex())
+
+
+def _op_check_id(op_id):
+    if not isinstance(op_id, str) or not _OP_ID.match(op_id):
+        raise AgentError("bad operation id %r (expected YYYYMMDDTHHMMSS-KIND-HEX, as `dynctl ops list` shows)"
+                         % (op_id,), "usage")
+
+
+def _op_file(ctx, op_id, ext):
+    return ctx.path("ops", op_id + ext)
+
+
+def _op_final(ctx, op_id, **fields):
+    """The final word for an id whose worker never ran (refused, or cancelled before it started)."""
+    record = {"t": now_iso(), "elapsed": 0.0, "type": "final", "final": True}
+    record.update(fields)
+    with contextlib.suppress(OSError):
+        _op_append(_op_file(ctx, op_id, ".jsonl"), record)
+
+
+def _op_last_final(ctx, op_id):
+    try:
+        with open(_op_file(ctx, op_id, ".jsonl"), "rb") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for raw in reversed(lines):
+        with contextlib.suppress(ValueError):
+            event = json.loads(raw)
+            if event.get("final"):
+                return event
+    return None
+
+
+def _op_ids(ctx):
+    """Claimed operation ids, newest first (by when this host received them)."""
+    found = []
+    with contextlib.suppress(OSError):
+        for name in os.listdir(ctx.path("ops")):
+            if name.endswith(".json") and _OP_ID.match(name[:-5]):
+                with contextlib.suppress(OSError):
+                    found.append((os.stat(ctx.path("ops", name)).st_mtime_ns, name[:-5]))
+    return [op_id for _, op_id in sorted(found, reverse=True)]
+
+
+def _op_already(existing, kind, op_id):
+    if existing.get("kind") not in (None, kind):
+        raise AgentError("operation id %s is already used by a %s, not a %s" % (op_id, existing.get("kind"), kind),
+                         "usage")
+    return {"op_id": op_id, "worker_pid": None, "already": True}
+
+
+def _op_size(n):
+    return "%.1f MiB" % (n / (1 << 20)) if n >= 1 << 20 else "%d KiB" % (n // 1024)
+
+
+def _op_room_check(ctx, kind, request):
+    """Refuse, before anything is written, where workdir cannot hold the backups and records of the operation."""
+    need = _OP_ROOM + 2 * len(json.dumps(request, default=str))  # the request, and backups about as large
+    try:
+        free = shutil.disk_usage(ctx.workdir).free
+    except OSError:
+        return
+    if free < need:
+        raise AgentError("no space left in workdir %s on %s: %s free, a %s needs about %s (its request, backups "
+                         "and records); free some space there; nothing was changed"
+                         % (ctx.workdir, ctx.name, _op_size(free), kind, _op_size(need)), "preflight")
+
+
+def _op_prune(ctx, keep_id=None):
+    """Keep the newest ctx.keep operation records, never the running one; drop temp files of dead writers."""
+    removed = []
+    for folder in (ctx.workdir, ctx.path("ops")):  # temp files of writers killed half way (state, pidfile, ...)
+        with contextlib.suppress(OSError):
+            for name in os.listdir(folder):
+                m = _TMP_NAME.search(name)
+                if m and not pid_alive(int(m.group(1))):
+                    with contextlib.suppress(OSError):
+                        os.unlink(os.path.join(folder, name))
+    running = (_read_json(ctx.path("lock")) or {}).get("op")
+    for op_id in _op_ids(ctx)[ctx.keep:]:
+        if op_id in (keep_id, running):
+            continue
+        for ext in (".json", ".jsonl", ".log"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(_op_file(ctx, op_id, ext))
+        removed.append(op_id)
+    if removed:
+        with contextlib.suppress(OSError, AgentError):
+            journal(ctx, "ops.pruned", ops=removed, keep=ctx.keep)
+    return removed
 
 
 @verb("op_start")
-def op_start(ctx, kind, params=None, **_):
-    """Take the host lock, start the detached worker, hand the lock to it, return the op id."""
+def op_start(ctx, kind, params=None, op_id=None, **_):
+    """Claim op_id, take the host lock, start the detached worker, hand the lock to it, return the op id.
+
+    The same op_id twice starts one worker: the second call answers already=True.
+    """
     if kind not in OPS:
         raise AgentError("unknown operation %r" % kind, "usage")
+    op_id = op_id or _new_op_id(kind)
+    _op_check_id(op_id)
     ctx.ensure_workdir()
-    os.makedirs(ctx.path("ops"), mode=0o700, exist_ok=True)
-    op_id = _new_op_id(kind)
-    request = {"id": op_id, "kind": kind, "params": params or {}, "client": ctx.client,
+    path = _op_file(ctx, op_id, ".json")
+    existing = _read_json(path)
+    if existing is not None:
+        return _op_already(existing, kind, op_id)
+    request = {"id": op_id, "kind": kind, "params": params or {}, "client": ctx.client, "received": now_iso(),
                "host": {"name": ctx.name, "workdir": ctx.workdir, "python": ctx.python, "port": ctx.port,
-                        "env": ctx.env, "launch": ctx.launch, "args": ctx.args}}
-    write_json_atomic(ctx.path("ops", op_id + ".json"), request)
-    with host_lock(ctx, kind) as holder:
-        if holder.get("took_over"):
-            dead = holder.pop("took_over")
-            request["warning"] = ("took over the host lock of a %s by %s (pid %s) since %s, whose process is gone"
-                                  % (dead.get("operation"), dead.get("who"), dead.get("pid"), dead.get("started")))
-            write_json_atomic(ctx.path("ops", op_id + ".json"), request)
-        worker = _spawn_detached([sys.executable, os.path.abspath(__file__), "--op", ctx.path("ops", op_id + ".json")],
-                                 ctx.path("ops", op_id + ".log"), ctx.workdir)
-        holder.update({"pid": worker, "pid_start": _wait_start_time(worker), "op": op_id})
-        write_json_atomic(ctx.path("lock"), holder)  # the worker now owns the lock; our exit leaves it alone
+                        "env": ctx.env, "launch": ctx.launch, "args": ctx.args, "keep_history": ctx.keep}}
+    _op_room_check(ctx, kind, request)
+    with signals_deferred():
+        try:
+            os.makedirs(ctx.path("ops"), mode=0o700, exist_ok=True)
+            claimed = write_json_atomic(path, request, exclusive=True)
+        except OSError as err:
+            raise AgentError("cannot record the %s request in %s: %s; nothing was changed"
+                             % (kind, ctx.path("ops"), err.strerror or err), "preflight")
+        if not claimed:
+            return _op_already(_read_json(path) or {}, kind, op_id)
+        try:
+            with host_lock(ctx, kind, op=op_id) as holder:
+                dead = holder.pop("took_over", None)
+                if dead:
+                    request["warning"] = ("took over the host lock of a %s by %s (pid %s) since %s, whose process "
+                                          "is gone" % (dead.get("operation"), dead.get("who"), dead.get("pid"),
+                                                       dead.get("started")))
+                    write_json_atomic(path, request)
+                _op_prune(ctx, keep_id=op_id)
+                worker = _spawn_detached([sys.executable, os.path.abspath(__file__), "--op", path],
+                                         _op_file(ctx, op_id, ".log"), ctx.workdir)
+                holder.update({"pid": worker, "pid_start": _wait_start_time(worker), "op": op_id})
+                # From here the worker speaks for the operation; it adopts the lock itself if this write is lost.
+                with contextlib.suppress(OSError):
+                    write_json_atomic(ctx.path("lock"), holder)
+        except AgentError as err:
+            _op_final(ctx, op_id, ok=False, kind=err.kind, error=str(err))
+            raise
+        except OSError as err:
+            message = "cannot start the %s worker: %s; nothing was changed" % (kind, err.strerror or err)
+            _op_final(ctx, op_id, ok=False, kind="preflight", error=message)
+            raise AgentError(message, "preflight")
     ctx.changed = True
-    return {"op_id": op_id, "worker_pid": worker}
+    return {"op_id": op_id, "worker_pid": worker, "already": False}
 
 
 def _spawn_detached(argv, log_path, cwd):
@@ -493,6 +702,7 @@ def _spawn_detached(argv, log_path, cwd):
             second = os.fork()
             if second == 0:
                 os.close(w)
+                signal.pthread_sigmask(signal.SIG_SETMASK, [])  # a deferred signal is ours, not the worker's
                 os.chdir(cwd)
                 null = os.open(os.devnull, os.O_RDONLY)
                 log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -533,10 +743,10 @@ def _lock_holder(ctx):
 
 
 @verb("op_run", stream=True)
-def op_run(ctx, kind, params=None, **_):
-    """op_start and op_follow in one round trip; the first event carries the op id."""
-    started = op_start(ctx, kind, params)
-    for item in op_follow(ctx, op_id=started["op_id"]):
+def op_run(ctx, kind, params=None, op_id=None, from_line=0, **_):
+    """op_start and op_follow in one round trip; sent again with the same op_id, it only follows."""
+    started = op_start(ctx, kind, params, op_id)
+    for item in op_follow(ctx, op_id=started["op_id"], from_line=from_line):
         yield item
 
 
@@ -546,21 +756,46 @@ def op_current(ctx, **_):
     return {"holder": _lock_holder(ctx)}
 
 
-@verb("op_follow", stream=True)
-def op_follow(ctx, op_id=None, from_line=0, **_):
-    """Yield the events of an operation (the running one when op_id is None) until its final event."""
+def _op_resolve(ctx, op_id):
+    """An operation id, "latest" (the newest this host received), or None (the one running now)."""
     if op_id is None:
         holder = _lock_holder(ctx)
         if not holder or not holder.get("op"):
             raise AgentError("no operation is running on %s" % ctx.name, "usage")
-        op_id = holder["op"]
-    path = ctx.path("ops", op_id + ".jsonl")
-    request = _read_json(ctx.path("ops", op_id + ".json"))
+        return holder["op"]
+    if op_id == "latest":
+        ids = _op_ids(ctx)
+        if not ids:
+            raise AgentError("no operation has run on %s yet (workdir %s)" % (ctx.name, ctx.workdir), "usage")
+        return ids[0]
+    _op_check_id(op_id)
+    return op_id
+
+
+def _op_aftermath(ctx):
+    """What the host looks like now, in words: the release in force and the server."""
+    current = _pt_current(ctx) or BASELINE
+    try:
+        found = find_server(ctx)
+        server = "server %s, pid %s" % (found.get("state"), found.get("pid")) if found.get("pid") else "server down"
+    except Exception as err:  # a report, not a transaction: say what could not be looked at
+        server = "server state unknown (%s)" % err
+    return "release in force: %s; %s" % (current, server)
+
+
+@verb("op_follow", stream=True)
+def op_follow(ctx, op_id=None, from_line=0, **_):
+    """Yield the events of an operation (id, "latest", or the running one when None) until its final event."""
+    op_id = _op_resolve(ctx, op_id)
+    path = _op_file(ctx, op_id, ".jsonl")
+    request = _read_json(_op_file(ctx, op_id, ".json"))
     if request is None:
-        raise AgentError("no operation %s on %s" % (op_id, ctx.name), "usage")
+        known = ", ".join(_op_ids(ctx)[:5]) or "none"
+        raise AgentError("no operation %s on %s (newest: %s)" % (op_id, ctx.name, known), "usage")
+    kind = request.get("kind") or "operation"
     seen = 0
     pos = 0
-    idle_checks = 0
+    gone_since = None
     while True:
         lines = []
         try:
@@ -578,21 +813,84 @@ def op_follow(ctx, op_id=None, from_line=0, **_):
                 continue
             event = json.loads(raw)
             event["op_id"] = op_id
+            event["op_kind"] = kind
             event["seq"] = seen
             yield {"ok": True, "op": event}  # the op's own ok/error stay inside, not the stream's
             if event.get("final"):
                 return
-        if not lines:
+        if lines:
+            gone_since = None
+        else:
             holder = _lock_holder(ctx)
-            if holder is None or holder.get("op") != op_id:
-                idle_checks += 1
-                if idle_checks > 3:  # the worker is gone and wrote no final event
-                    yield {"ok": True, "op": {
-                        "type": "final", "final": True, "ok": False, "op_id": op_id, "seq": seen + 1,
-                        "error": "the %s worker died without finishing; see %s"
-                                 % (request.get("kind"), ctx.path("ops", op_id + ".log"))}}
-                    return
-            time.sleep(0.1)
+            if holder is not None and holder.get("op") == op_id:
+                gone_since = None
+            elif gone_since is None:
+                gone_since = time.monotonic()
+            elif time.monotonic() - gone_since > _OP_GONE_S:
+                if seen == 0:  # the worker writes its first event before it does anything
+                    verdict = {"kind": "preflight", "error": "the %s never started on %s (no worker took it up); "
+                                                             "nothing was changed" % (kind, ctx.name)}
+                else:
+                    verdict = {"kind": "failed", "error": "the %s worker on %s died without finishing (see %s); "
+                                                          "%s" % (kind, ctx.name, _op_file(ctx, op_id, ".log"),
+                                                                  _op_aftermath(ctx))}
+                verdict.update({"type": "final", "final": True, "ok": False, "op_id": op_id, "op_kind": kind,
+                                "seq": seen + 1})
+                yield {"ok": True, "op": verdict}
+                return
+        time.sleep(0.1)
+
+
+@verb("op_detach")
+def op_detach(ctx, op_id, kind=None, **_):
+    """The client stops following op_id (Ctrl-C): say what became of it. An id this host has not received yet
+    is claimed as cancelled, so a request still on its way starts nothing."""
+    _op_check_id(op_id)
+    path = _op_file(ctx, op_id, ".json")
+    if _read_json(path) is None:
+        ctx.ensure_workdir()
+        os.makedirs(ctx.path("ops"), mode=0o700, exist_ok=True)
+        tomb = {"id": op_id, "kind": kind, "cancelled": True, "client": ctx.client, "received": now_iso()}
+        if write_json_atomic(path, tomb, exclusive=True):
+            _op_final(ctx, op_id, ok=False, kind="cancelled",
+                      error="cancelled by %s before it started; nothing was changed" % ctx.who)
+            return {"state": "cancelled", "op_id": op_id}
+    final = _op_last_final(ctx, op_id)
+    if final is not None:
+        return {"state": "finished", "op_id": op_id, "final": final}
+    return {"state": "running", "op_id": op_id, "holder": _lock_holder(ctx)}
+
+
+@verb("op_list")
+def op_list(ctx, limit=20, **_):
+    """The newest operations on this host: id, kind, who, when, and how each ended (or that it runs)."""
+    running = (_lock_holder(ctx) or {}).get("op")
+    out = []
+    for op_id in _op_ids(ctx)[:int(limit)]:
+        request = _read_json(_op_file(ctx, op_id, ".json")) or {}
+        final = _op_last_final(ctx, op_id)
+        if final is not None:
+            state = "done" if final.get("ok") else (final.get("kind") or "failed")
+        else:
+            state = "running" if op_id == running else "unfinished"
+        out.append({"id": op_id, "kind": request.get("kind"), "who": (request.get("client") or {}).get("user"),
+                    "client_host": (request.get("client") or {}).get("hostname"),
+                    "received": request.get("received"), "state": state,
+                    "error": (final or {}).get("error")})
+    return {"ops": out}
+
+
+def _op_adopt_lock(ctx, request):
+    """Make the host lock name this worker: op_start hands it over, and this covers a handover write it lost."""
+    path = ctx.path("lock")
+    holder = _read_json(path) or {}
+    if holder.get("op") != request["id"]:
+        raise AgentError("the host lock was not handed to this %s (it names %s); nothing was changed"
+                         % (request["kind"], holder.get("operation") or "no operation"), "busy")
+    me = process_start_time(os.getpid())
+    if holder.get("pid") != os.getpid() or holder.get("pid_start") != me:
+        holder.update(pid=os.getpid(), pid_start=me)
+        write_json_atomic(path, holder)
 
 
 def run_operation(request_path):
@@ -600,10 +898,15 @@ def run_operation(request_path):
     request = _read_json(request_path)
     ctx = Context(request["host"], request.get("client"))
     oplog = OpLog(ctx, request["id"], request["kind"])
-    oplog.emit("started", kind=request["kind"], pid=os.getpid())
-    if request.get("warning"):
-        oplog.warn(request["warning"])
     try:
+        oplog.emit("started", required=True, kind=request["kind"], pid=os.getpid())
+    except OSError as err:  # nobody would hear of what follows: do nothing (a follower says so)
+        sys.stderr.write("cannot write %s: %s; not starting\n" % (oplog.path, err))
+        return 1
+    try:
+        _op_adopt_lock(ctx, request)
+        if request.get("warning"):
+            oplog.warn(request["warning"])
         result = OPS[request["kind"]](ctx, oplog, **(request.get("params") or {}))
         final = {"ok": True}
         final.update(result or {})
@@ -620,8 +923,25 @@ def run_operation(request_path):
         if holder.get("pid") == os.getpid():
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(ctx.path("lock"))
+    if oplog.lost:
+        final["events_lost"] = oplog.lost
     oplog.emit("final", final=True, **final)
     return 0 if final.get("ok") else 1
+
+
+@operation("restart")
+def op_restart(ctx, oplog, **params):
+    """The restart verb's stop → start → ready, run by the worker: its items become the operation's events."""
+    for item in verb_server_restart(ctx, **params):
+        kind = item.get("event")
+        if kind == "ready":
+            return {k: v for k, v in item.items() if k not in ("ok", "event")}
+        if kind == "log":
+            for line in item.get("lines") or []:
+                oplog.log(line)
+        else:  # "stopped", "started" (named apart from the worker's own "started")
+            oplog.emit("server_" + kind, **{k: v for k, v in item.items() if k not in ("ok", "event")})
+    raise AgentError("the restart ended without a verdict", "failed")
 
 
 # ---- bench (issue 7)
@@ -2525,6 +2845,8 @@ def _pt_symlink_on_path(package_dir, rel):
 
 
 def _pt_write_bytes(path, data, mode=0o644, exclusive=True):
+    """Write `data` to a new file (exclusive) or over one; a write that fails (a full disk) removes a file it
+    created, so no partial copy is left behind."""
     flags = os.O_WRONLY | os.O_CREAT | (os.O_EXCL if exclusive else os.O_TRUNC)
     fd = os.open(path, flags, mode)
     try:
@@ -2532,8 +2854,18 @@ def _pt_write_bytes(path, data, mode=0o644, exclusive=True):
         while view:
             view = view[os.write(fd, view):]
         os.fsync(fd)
+    except OSError:
+        if exclusive:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        raise
     finally:
         os.close(fd)
+
+
+def interrupted_release_message(release):
+    return ("release %s was interrupted mid-switch: `dynctl rollback` reverts it and restarts what ran before it "
+            "(`dynctl patch revert --release %s` reverts the files alone); nothing was changed" % (release, release))
 
 
 def _pt_journal(ctx, event, **fields):
@@ -2558,6 +2890,25 @@ def _pt_manifests(ctx):
     return sorted(found, key=lambda m: m.get("seq", 0), reverse=True)
 
 
+def _pt_prune(ctx):
+    """Keep the newest ctx.keep releases. Older ones go only when reverted: a release in force (rollback needs
+    its backups), an interrupted one, and the one the server was started from (its argv may name a file in it)
+    always stay. Directories a killed apply left without a manifest never held a swap and go too."""
+    root = _pt_releases_dir(ctx)
+    manifests = _pt_manifests(ctx)  # newest first
+    protected = {_pt_current(ctx), (_lc_pidfile(ctx) or {}).get("release")}
+    doomed = [m["id"] for m in manifests[ctx.keep:] if m.get("state") == "reverted" and m["id"] not in protected]
+    with contextlib.suppress(OSError):
+        listed = {m["id"] for m in manifests}
+        doomed += [n for n in os.listdir(root) if _PT_ID.match(n) and n not in listed
+                   and not os.path.exists(os.path.join(root, n, "manifest.json"))]
+    for release in doomed:
+        shutil.rmtree(os.path.join(root, release), ignore_errors=True)
+    if doomed:
+        _pt_journal(ctx, "releases.pruned", releases=doomed, keep=ctx.keep)
+    return doomed
+
+
 def _pt_next_id(ctx):
     seqs = [int(m.group(1)) for m in (_PT_ID.match(n) for n in os.listdir(_pt_releases_dir(ctx))) if m]
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
@@ -2571,7 +2922,9 @@ def _pt_update_current(ctx):
     path = ctx.path("current")
     if applied:
         tmp = "%s.tmp.%d" % (path, os.getpid())
-        _pt_write_bytes(tmp, (applied[0]["id"] + "\n").encode(), 0o600, exclusive=False)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)  # a leftover of a killed writer with our pid
+        _pt_write_bytes(tmp, (applied[0]["id"] + "\n").encode(), 0o600)
         os.replace(tmp, path)
         return applied[0]["id"]
     with contextlib.suppress(FileNotFoundError):
@@ -2694,25 +3047,59 @@ def _pt_import_check(ctx, swapped, timeout):
     return {"ran": False, "ok": False, "detail": "import check could not run: %s" % last}
 
 
-def _pt_restore(ctx, release_dir, entry, package_dir):
-    """Put one file back as it was before the release (byte for byte), or remove a created file."""
-    target = _pt_target(package_dir, entry["path"])
+def _pt_stage_original(release_dir, entry, package_dir):
+    """Write the original of one file beside its target (mode and owner as recorded); return that temp path,
+    or None for a file the release created. A write that fails leaves nothing behind."""
     if entry["sha256_before"] is None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(target)
-    else:
-        backup = os.path.join(release_dir, "orig", *entry["path"].split("/"))
-        with open(backup, "rb") as f:
-            data = f.read()
-        if hashlib.sha256(data).hexdigest() != entry["sha256_before"]:
-            raise AgentError("backup %s does not match its recorded sha256; %s left as is" % (backup, target),
-                             "failed")
-        tmp = os.path.join(os.path.dirname(target), ".%s.dynctl-restore.%d" % (os.path.basename(target),
-                                                                             os.getpid()))
-        _pt_write_bytes(tmp, data, entry.get("mode") or 0o644)
+        return None
+    target = _pt_target(package_dir, entry["path"])
+    backup = os.path.join(release_dir, "orig", *entry["path"].split("/"))
+    with open(backup, "rb") as f:
+        data = f.read()
+    if hashlib.sha256(data).hexdigest() != entry["sha256_before"]:
+        raise AgentError("backup %s does not match its recorded sha256; %s left as is" % (backup, target), "failed")
+    tmp = os.path.join(os.path.dirname(target), ".%s.dynctl-restore.%d" % (os.path.basename(target), os.getpid()))
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)  # a leftover of a killed restore with our pid
+    _pt_write_bytes(tmp, data, entry.get("mode") or 0o644)
+    try:
         os.chmod(tmp, entry.get("mode") or 0o644)  # not narrowed by the umask
         if entry.get("uid") is not None and os.geteuid() == 0:
             os.chown(tmp, entry["uid"], entry["gid"])
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return tmp
+
+
+def _pt_stage_originals(release_dir, entries, package_dir):
+    """Every original written beside its target before the first is put back, so a full disk or a read-only
+    folder stops the restore with nothing restored, never half way. Returns [(entry, temp path or None)]."""
+    staged = []
+    try:
+        for entry in entries:
+            staged.append((entry, _pt_stage_original(release_dir, entry, package_dir)))
+    except BaseException:
+        _pt_discard_staged(staged)
+        raise
+    return staged
+
+
+def _pt_discard_staged(staged):
+    for _, tmp in staged:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+
+def _pt_put_back(entry, tmp, package_dir):
+    """Rename a staged original over its target (or remove a file the release created); check its sha256."""
+    target = _pt_target(package_dir, entry["path"])
+    if tmp is None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(target)
+    else:
         os.replace(tmp, target)
         if sha256_file(target) != entry["sha256_before"]:
             raise AgentError("%s does not match its original sha256 after restore" % target, "failed")
@@ -2738,8 +3125,7 @@ def apply_release(ctx, files, sglang_version, strategy="patch", threshold=None, 
     os.makedirs(_pt_releases_dir(ctx), mode=0o700, exist_ok=True)
     incomplete = [m["id"] for m in _pt_manifests(ctx) if m.get("state") == "applying"]
     if incomplete:
-        raise AgentError("release %s was interrupted; run `dynctl patch revert --release %s` first"
-                         % (incomplete[0], incomplete[0]), "preflight")
+        raise AgentError(interrupted_release_message(incomplete[0]), "preflight")
     for name in artifacts or {}:
         if not _PT_ARTIFACT.match(name) or name in ("manifest.json", "orig"):
             raise AgentError("bad release artifact name %r" % (name,), "usage")
@@ -2769,7 +3155,7 @@ def apply_release(ctx, files, sglang_version, strategy="patch", threshold=None, 
 
     def drop_candidates():
         for e in candidates:
-            with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(OSError):  # absent, or never created (a read-only folder)
                 os.unlink(e["candidate"])
 
     # -- candidates next to their targets, same mode (and owner, when we may)
@@ -2781,8 +3167,8 @@ def apply_release(ctx, files, sglang_version, strategy="patch", threshold=None, 
             st = os.stat(target) if e["sha256_before"] is not None else None
             e["mode"], e["uid"], e["gid"] = ((stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid) if st
                                              else (0o644, None, None))
+            candidates.append(e)  # before the write: a half-written candidate (a full disk) is ours to remove
             _pt_write_bytes(e["candidate"], e["data"], e["mode"])
-            candidates.append(e)
             os.chmod(e["candidate"], e["mode"])  # not narrowed by the umask
             if st is not None and os.geteuid() == 0:
                 os.chown(e["candidate"], st.st_uid, st.st_gid)
@@ -2837,7 +3223,8 @@ def apply_release(ctx, files, sglang_version, strategy="patch", threshold=None, 
                 raise AgentError("%s changed during the backup; nothing was changed" % e["target"], "preflight")
             _pt_write_bytes(backup, original, 0o600)
             if sha256_file(backup) != e["sha256_before"]:
-                raise AgentError("backup of %s does not read back intact; nothing was changed" % e["target"], "failed")
+                raise AgentError("backup of %s does not read back intact; nothing was changed" % e["target"],
+                                 "preflight")
         for name, text in (artifacts or {}).items():
             _pt_write_bytes(os.path.join(release_dir, name), text.encode("utf-8"), 0o600)
         write_json_atomic(os.path.join(release_dir, "manifest.json"), manifest)
@@ -2847,8 +3234,8 @@ def apply_release(ctx, files, sglang_version, strategy="patch", threshold=None, 
         _pt_journal(ctx, "patch.apply.failed", step="backup", release=release_id, error=str(err))
         if isinstance(err, AgentError):
             raise
-        raise AgentError("cannot back up the originals into %s: %s; nothing was swapped and no release was "
-                         "kept" % (release_dir, err.strerror or err), "failed")
+        raise AgentError("cannot back up the originals into %s on %s: %s; nothing was swapped and no release was "
+                         "kept: nothing was changed" % (release_dir, ctx.name, err.strerror or err), "preflight")
     _pt_journal(ctx, "patch.backup.done", release=release_id, dir=release_dir)
 
     # -- swap; from here on a failure puts every original back
@@ -2856,11 +3243,17 @@ def apply_release(ctx, files, sglang_version, strategy="patch", threshold=None, 
 
     def roll_back(reason):
         problems = []
-        for e in reversed(swapped):
+        try:
+            staged = _pt_stage_originals(release_dir, list(reversed(swapped)), package_dir)
+        except (OSError, AgentError) as err:
+            staged = []
+            problems.append("staging the originals: %s" % (getattr(err, "strerror", None) or err))
+        for e, tmp in staged:
             try:
-                _pt_restore(ctx, release_dir, e, package_dir)
+                _pt_put_back(e, tmp, package_dir)
             except (OSError, AgentError) as err:
                 problems.append("%s: %s" % (e["target"], err))
+                _pt_discard_staged([(e, tmp)])
         drop_candidates()
         if not problems:
             shutil.rmtree(release_dir, ignore_errors=True)
@@ -2902,6 +3295,8 @@ def apply_release(ctx, files, sglang_version, strategy="patch", threshold=None, 
         roll_back("cannot record release %s: %s" % (release_id, err.strerror or err))
     ctx.changed = True
     _pt_journal(ctx, "patch.apply.done", release=release_id, files=len(entries), current=current)
+    with contextlib.suppress(OSError):
+        _pt_prune(ctx)
     return {"release": release_id, "release_dir": release_dir, "current": current, "manifest": manifest,
             "import_check": check, "pycache_dropped": dropped}
 
@@ -2947,20 +3342,18 @@ def revert_release(ctx, release=None):
             raise AgentError("release %s has no backup of %s; nothing was reverted" % (release, entry["path"]),
                              "failed")
         todo.append(entry)
-    for folder in sorted({os.path.dirname(_pt_target(package_dir, e["path"])) for e in todo}):
-        probe = os.path.join(folder, ".dynctl-probe.%d" % os.getpid())
-        try:
-            _pt_write_bytes(probe, b"")
-            os.unlink(probe)
-        except OSError as err:
-            raise AgentError("cannot write in %s: %s; nothing was reverted" % (folder, err.strerror or err),
-                             "preflight")
+    try:
+        staged = _pt_stage_originals(release_dir, todo, package_dir)
+    except OSError as err:
+        folder = os.path.dirname(err.filename) if err.filename else package_dir
+        raise AgentError("cannot write in %s: %s; nothing was reverted" % (folder, err.strerror or err), "preflight")
     _pt_journal(ctx, "patch.revert.begin", release=release, files=[e["path"] for e in todo])
     restored = []
-    for entry in todo:
+    for i, (entry, tmp) in enumerate(staged):
         try:
-            _pt_restore(ctx, release_dir, entry, package_dir)
+            _pt_put_back(entry, tmp, package_dir)
         except OSError as err:
+            _pt_discard_staged(staged[i:])
             raise AgentError("restoring %s failed: %s (restored so far: %s)"
                              % (entry["path"], err.strerror or err, ", ".join(restored) or "none"), "failed")
         restored.append(entry["path"])
@@ -2980,6 +3373,8 @@ def revert_release(ctx, release=None):
     current = _pt_update_current(ctx)
     ctx.changed = True
     _pt_journal(ctx, "patch.revert.done", release=release, current=current)
+    with contextlib.suppress(OSError):
+        _pt_prune(ctx)
     return {"release": release, "reverted": True, "already": False, "current": current, "files": restored}
 
 
@@ -3099,10 +3494,42 @@ def _dp_verify(ctx, oplog, strategy, threshold):
 
 def _dp_recover(ctx, oplog):
     """An interrupted release (worker killed mid-switch) is reverted before anything else happens."""
+    recovered = []
     for m in _pt_manifests(ctx):
         if m.get("state") == "applying":
             oplog.warn("release %s was interrupted; reverting it first" % m["id"])
             revert_release(ctx, m["id"])
+            recovered.append(m["id"])
+    return recovered
+
+
+def _dp_rollback_target(ctx, to, manifests):
+    """`rollback --to` as typed: a release id or a unique prefix (or sequence number) of one in force,
+    "baseline", "latest" (the release in force) or "previous" (None: the one before it). Anything else is a
+    usage error that names the candidates, raised before anything changes."""
+    ids = [m["id"] for m in manifests if m.get("state") == "applied"]
+    if to is None or to == "previous":
+        return None
+    if to == "latest":
+        return ids[0] if ids else BASELINE
+    text = str(to).strip()
+    if text == BASELINE or text in ids:
+        return text
+    matches = [i for i in ids if i.startswith(text)]
+    if not matches and text.isdigit():
+        matches = [i for i in ids if int(i.split("-")[0]) == int(text)]
+    if len(matches) == 1:
+        return matches[0]
+    in_force = ", ".join(ids + [BASELINE])
+    if matches:
+        raise AgentError("release %r is ambiguous on %s: it could be %s; give more of the id; nothing was changed"
+                         % (text, ctx.name, ", ".join(matches)), "usage")
+    other = [m for m in manifests if m["id"].startswith(text) or m["id"] == text]
+    if other:
+        raise AgentError("release %s on %s is %s, not in force: rollback returns to one in force (%s); nothing "
+                         "was changed" % (other[0]["id"], ctx.name, other[0].get("state"), in_force), "usage")
+    raise AgentError("no release %r in force on %s to roll back to (in force: %s; also latest, previous); "
+                     "nothing was changed" % (text, ctx.name, in_force), "usage")
 
 
 def _dp_previous_argv(ctx, baseline_argv):
@@ -3166,22 +3593,20 @@ def _dp_roll_back_after_failure(ctx, oplog, release, previous_argv, was_running,
 
 @operation("rollback")
 def op_rollback(ctx, oplog, baseline_argv, to=None, grace=60, ready_timeout=900, **_):
-    _dp_recover(ctx, oplog)
+    chosen = _dp_rollback_target(ctx, to, _pt_manifests(ctx))
+    recovered = _dp_recover(ctx, oplog)
     applied = [m for m in _pt_manifests(ctx) if m.get("state") == "applied"]  # newest first
     current = applied[0]["id"] if applied else None
     state = _dp_state(ctx)
-    if to is None:
-        if state.get("last") == "rollback" and state.get("target") == (current or BASELINE):
-            target = current or BASELINE  # rolling back twice stays on the first rollback's target
-            oplog.emit("info", text="already rolled back to %s; making sure it serves" % target)
-        else:
-            target = applied[1]["id"] if len(applied) > 1 else BASELINE
+    if chosen is not None:
+        target = chosen
+    elif recovered:  # the interrupted release was the change to undo: back to what ran before it
+        target = current or BASELINE
+    elif state.get("last") == "rollback" and state.get("target") == (current or BASELINE):
+        target = current or BASELINE  # rolling back twice stays on the first rollback's target
+        oplog.emit("info", text="already rolled back to %s; making sure it serves" % target)
     else:
-        target = to
-        if target != BASELINE and target not in [m["id"] for m in applied]:
-            known = ", ".join([m["id"] for m in applied] + [BASELINE])
-            raise AgentError("no release %r in force on %s to roll back to (known: %s)"
-                             % (target, ctx.name, known), "usage")
+        target = applied[1]["id"] if len(applied) > 1 else BASELINE
     newer = [m for m in applied if target == BASELINE or m["seq"] > int(target.split("-")[0])]
     manifest = next((m for m in applied if m["id"] == target), None)
     argv = (manifest or {}).get("launch_argv") or baseline_argv
@@ -3236,9 +3661,15 @@ def main():
     if fn is None:
         _answer({"ok": False, "kind": "usage", "error": "unknown agent verb %r" % name})
         return 2
-    ctx = Context(request.get("host") or {}, request.get("client") or {})
+    host = request.get("host") or {}
+    problem = workdir_problem(host.get("workdir") or "~/.dynctl")
+    if problem:
+        _answer({"ok": False, "kind": "usage", "error": problem, "done": True})
+        return 2
     params = request.get("params") or {}
+    ctx = None
     try:
+        ctx = Context(host, request.get("client") or {})
         if name in STREAM_VERBS:
             for item in fn(ctx, **params):
                 _answer(item)
@@ -3247,7 +3678,7 @@ def main():
             result = fn(ctx, **params)
             _answer({"ok": True, "changed": ctx.changed, "result": result})
     except AgentError as err:
-        answer = {"ok": False, "kind": err.kind, "error": str(err), "changed": ctx.changed}
+        answer = {"ok": False, "kind": err.kind, "error": str(err), "changed": bool(ctx and ctx.changed)}
         answer.update(err.extra)
         if name in STREAM_VERBS:
             answer["done"] = True
@@ -3256,6 +3687,12 @@ def main():
     except BrokenPipeError:  # the client went away; nothing more to say
         with contextlib.suppress(OSError):  # and nothing for the interpreter's exit flush to fail on
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except OSError as err:  # a full disk, a vanished directory: the operator needs the reason, not "rc 1"
+        where = " (%s)" % err.filename if err.filename else ""
+        _answer({"ok": False, "kind": "failed", "done": True, "changed": bool(ctx and ctx.changed),
+                 "error": "%s failed on %s: %s%s" % (name, socket.gethostname() if ctx is None else ctx.name,
+                                                     err.strerror or err, where)})
         return 1
     return 0
 

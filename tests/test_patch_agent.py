@@ -261,9 +261,10 @@ def test_disk_full_while_backing_up_swaps_nothing(make_box) -> None:
     with _mounted([["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(releases)]], releases):
         with pytest.raises(AgentError) as err:
             apply_plan(box.agent, plan_for_apply(read_patch_state(box.agent)))
-        assert err.value.kind == "failed" and err.value.exit_code == 1
+        # nothing was swapped, so nothing changed: a pre-flight refusal (3), not a failed operation (1)
+        assert err.value.kind == "preflight" and err.value.exit_code == 3
         assert "No space left on device" in str(err.value)
-        assert "nothing was swapped and no release was kept" in str(err.value)
+        assert "nothing was swapped and no release was kept: nothing was changed" in str(err.value)
         assert box.hashes() == box.pristine and box.leftovers() == []
         assert os.listdir(releases) == [], "a half-made backup was left on the full disk"
     assert not (box.workdir / "current").exists()

@@ -138,7 +138,7 @@ def test_write_file_atomic_into_a_path_with_spaces_and_dollar(sshd: FakeHost, ct
 
 def test_agent_through_ssh_and_pct_from_a_written_config(sshd: FakeHost, ct: int, tmp_path: Path):
     cfg = sshd.write_config(tmp_path / "dynctl.toml", {"box": {
-        "ssh": sshd.target, "pct": ct, "python": sys.executable, "workdir": "work $dir", "port": 30000,
+        "ssh": sshd.target, "pct": ct, "python": sys.executable, "workdir": "~/work $dir", "port": 30000,
     }})
     config = load_config(cfg)
     host = config.host("box")

@@ -23,7 +23,7 @@ from dynctl.bench.modes import ModeSwitcher, NoRedeploy, Redeployer
 from dynctl.bench.plan import BenchPlan, Mode
 from dynctl.bench.recommend import recommend
 from dynctl.bench.stats import summarize_level
-from dynctl.errors import DynctlError, UnreachableError, UsageError
+from dynctl.errors import DynctlError, Interrupted, UnreachableError, UsageError
 
 LOADGEN_CPU_WARN = 80.0  # % of one core: above it the generator, not the server, may set the pace
 
@@ -82,7 +82,7 @@ def run_bench(agent: AgentClient, host: str, plan: BenchPlan, on_event: Callable
 
     try:
         _run(agent, host, plan, emit, result, redeployer or NoRedeploy(host))
-    except (KeyboardInterrupt, _Stopped):
+    except (KeyboardInterrupt, Interrupted, _Stopped):  # Interrupted: Ctrl-C during a redeploy's operation
         result.interrupted = True
         raise BenchInterrupted(result) from None
     except DynctlError as err:

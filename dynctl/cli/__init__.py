@@ -10,6 +10,7 @@ from dynctl.cli import demo as demo_cli
 from dynctl.cli import deploy as deploy_cli
 from dynctl.cli import hosts as hosts_cli
 from dynctl.cli import lifecycle as lifecycle_cli
+from dynctl.cli import ops as ops_cli
 from dynctl.cli import patch as patch_cli
 from dynctl.cli import tui as tui_cli
 
@@ -42,6 +43,7 @@ lifecycle_cli.register(app)
 tui_cli.register(app)
 bench_cli.register(app)
 app.add_typer(patch_cli.app, name="patch")
+app.add_typer(ops_cli.app, name="ops")
 
 
 def main() -> None:

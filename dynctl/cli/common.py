@@ -16,7 +16,7 @@ from typer.core import TyperCommand
 
 from dynctl.agent import AgentClient
 from dynctl.config import Config, HostConfig, load_config
-from dynctl.errors import DynctlError, UsageError
+from dynctl.errors import DynctlError, Interrupted, UsageError
 from dynctl.transport import Transport, close_all, connect
 
 console = Console(highlight=False)
@@ -120,6 +120,13 @@ def handle_errors(fn: F) -> F:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
+        except KeyboardInterrupt:
+            err_console.print("[bold yellow]![/] interrupted: whatever was already asked of the host goes on there "
+                              "(`dynctl status` shows the server, `dynctl ops list` the operations)", soft_wrap=True)
+            raise typer.Exit(130) from None
+        except Interrupted as err:  # not an error of the host's: Ctrl-C, with what became of the operation
+            err_console.print(f"[bold yellow]![/] {escape(str(err))}", soft_wrap=True)
+            raise typer.Exit(err.exit_code) from None
         except DynctlError as err:
             err_console.print(f"[bold red]error:[/] {escape(str(err))}", soft_wrap=True)
             raise typer.Exit(err.exit_code) from None

@@ -24,6 +24,7 @@ from dynctl.cli.common import (
     open_host,
 )
 from dynctl.cli.lifecycle import EventPrinter, GraceOpt, ReadyTimeoutOpt
+from dynctl.cli.ops import outcome_line
 from dynctl.patching import parse_threshold
 from dynctl.transport import sh_join
 
@@ -79,16 +80,16 @@ def deploy(
     if as_json:
         console.print_json(json.dumps(dict(result, elapsed=elapsed, round_trips=session.agent.round_trips), default=str))
         return
-    console.print(f"[bold green]deployed[/] release {result['release']} on {session.host.name}: threshold "
-                  f"{result.get('threshold_in_force')} in force (read back from /server_info), pid {result.get('pid')}, "
-                  f"{elapsed:.1f} s")
+    console.print(f"{outcome_line(session.host.name, 'deploy', result)}, {elapsed:.1f} s", soft_wrap=True)
 
 
 @handle_errors
 def rollback(
     host: str = HostOpt,
     config: str = ConfigOpt,
-    to: str = typer.Option(None, "--to", help="Release id to return to, or 'baseline' (no release)."),
+    to: str = typer.Option(None, "--to", help="Release to return to: its id or a unique prefix of it (as `dynctl "
+                                              "releases` shows), 'previous' (the default), 'latest' (the one in "
+                                              "force) or 'baseline' (no release)."),
     yes: bool = YesOpt,
     grace: float = GraceOpt,
     ready_timeout: float = ReadyTimeoutOpt,
@@ -103,11 +104,7 @@ def rollback(
     if as_json:
         console.print_json(json.dumps(result, default=str))
         return
-    if result.get("changed") is False:
-        console.print(f"[green]✓[/] {escape(result.get('message', 'nothing to do'))}")
-    else:
-        console.print(f"[bold green]rolled back[/] {session.host.name} to {result['target']} "
-                      f"(reverted: {', '.join(result.get('reverted') or []) or 'none'}), pid {result.get('pid')}")
+    console.print(outcome_line(session.host.name, "rollback", result), soft_wrap=True)
 
 
 @handle_errors
@@ -125,7 +122,11 @@ def releases(
     if not items:
         console.print(f"no releases on {session.host.name} yet")
         return
-    table = Table("release", "created", "who", "sglang", "strategy", "threshold", "files", "state", box=None)
+    table = Table(box=None)
+    # the id is what `rollback --to` takes: never cut it, whatever the terminal's width
+    table.add_column("release", no_wrap=True, min_width=max(len(m["id"]) for m in items))
+    for name in ("created", "who", "sglang", "strategy", "threshold", "files", "state"):
+        table.add_column(name, overflow="fold")
     for m in items:
         table.add_row(m["id"], str(m.get("created", ""))[:19], m.get("who") or "", m.get("sglang_version") or "",
                       m.get("strategy") or "", str(m.get("threshold")), str(len(m.get("files") or [])),

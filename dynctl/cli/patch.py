@@ -38,8 +38,9 @@ def _show_state(name: str, state: PatchState) -> None:
             console.print(f"    {path:45} {(info.get('sha256') or '-')[:16]}{link}")
     console.print(f"  release   {state.current or 'none in force'}")
     if state.incomplete:
-        console.print(f"  [red]interrupted release {', '.join(state.incomplete)}[/]: revert it with "
-                      f"`dynctl patch revert --release {state.incomplete[0]}`")
+        console.print(f"  [red]interrupted release {', '.join(state.incomplete)}[/]: `dynctl rollback` reverts it "
+                      f"and restarts what ran before it (`dynctl patch revert --release {state.incomplete[0]}` "
+                      f"reverts the files alone)")
 
 
 @app.command("status")
@@ -66,7 +67,7 @@ def diff(host: str = HostOpt, config: str = ConfigOpt, as_json: bool = JsonOpt) 
         else:
             console.print(f"{escape(state.detail)}: nothing to change", style="green")
         return
-    plan = plan_for_apply(state)
+    plan = plan_for_apply(state, session.host.name)
     if as_json:
         _print_json({"status": "not applied", "detail": plan.message, "diff": plan.diff(),
                      "files": [{"path": c.path, "sha256_before": c.sha256_before, "sha256_after": c.sha256_after}
@@ -90,7 +91,7 @@ def apply(
     recorded = None if threshold is None else parse_threshold(threshold, "--threshold")
     session = open_host(host, config)
     state = read_patch_state(session.agent)
-    plan = plan_for_apply(state)
+    plan = plan_for_apply(state, session.host.name)
     if plan.status == "applied":
         if as_json:
             _print_json({"changed": False, "detail": plan.message, "release": state.current})

@@ -79,18 +79,24 @@ def patch_state_from(answer: dict[str, Any]) -> PatchState:
     return state
 
 
-def plan_for_apply(state: PatchState) -> Plan:
-    """The plan to apply, or the reason there is none, as an error with the right exit code."""
+def interrupted_release_message(release: str) -> str:
+    """The same words as the agent's: `rollback` recovers an interrupted release by itself."""
+    return (f"release {release} was interrupted mid-switch: `dynctl rollback` reverts it and restarts what ran "
+            f"before it (`dynctl patch revert --release {release}` reverts the files alone); nothing was changed")
+
+
+def plan_for_apply(state: PatchState, host: str | None = None) -> Plan:
+    """The plan to apply, or the reason there is none, as an error (naming `host`) with the right exit code."""
+    where = f"{host}: " if host else ""
     if state.strategy == "unsupported":
-        raise PreflightError(state.detail)
+        raise PreflightError(where + state.detail)
     if state.strategy == "native":
-        raise PreflightError(f"sglang {state.version} uses the native strategy: there is no file to patch "
+        raise PreflightError(f"{where}sglang {state.version} uses the native strategy: there is no file to patch "
                              f"(dynctl deploy passes the adaptive config at launch)")
     if state.incomplete:
-        raise PreflightError(f"release {state.incomplete[0]} was interrupted; run `dynctl patch revert "
-                             f"--release {state.incomplete[0]}` first")
+        raise PreflightError(where + interrupted_release_message(state.incomplete[0]))
     if state.plan is None:
-        raise PatchRefused(state.detail)
+        raise PatchRefused(where + state.detail)
     return state.plan
 
 

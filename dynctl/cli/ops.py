@@ -1,0 +1,93 @@
+"""`dynctl ops follow|list`: the host-side operations (deploy, rollback, restart) after the command that started
+them has gone (Ctrl-C, a closed laptop): watch one to its end, or see what ran."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from dynctl import operations
+from dynctl.cli.common import ConfigOpt, HostOpt, JsonOpt, VerboseOpt, console, handle_errors, open_host
+from dynctl.cli.lifecycle import EventPrinter
+from dynctl.errors import Interrupted
+
+app = typer.Typer(help="Operations on the host: follow one to its end, list recent ones.", no_args_is_help=True)
+
+
+def outcome_line(host: str, kind: str | None, result: dict[str, Any]) -> str:
+    """One line for an operation that succeeded, as the command that started it would have printed it."""
+    if kind == "deploy":
+        return (f"[bold green]deployed[/] release {result.get('release')} on {escape(host)}: threshold "
+                f"{result.get('threshold_in_force')} in force (read back from /server_info), pid {result.get('pid')}")
+    if kind == "rollback":
+        if result.get("changed") is False:
+            return f"[green]✓[/] {escape(result.get('message') or 'nothing to do')}"
+        return (f"[bold green]rolled back[/] {escape(host)} to {result.get('target')} "
+                f"(reverted: {', '.join(result.get('reverted') or []) or 'none'}), pid {result.get('pid')}")
+    if kind == "restart":
+        return f"[bold green]restarted[/] the server on {escape(host)}: pid {result.get('pid')} ready"
+    return f"[bold green]done[/]: {kind or 'operation'} on {escape(host)}"
+
+
+@app.command("follow")
+@handle_errors
+def follow(
+    op: str = typer.Argument(operations.LATEST, metavar="[ID|latest]",
+                             help="The operation's id (printed when its command was interrupted; see `dynctl ops "
+                                  "list`), or 'latest'."),
+    host: str = HostOpt,
+    config: str = ConfigOpt,
+    as_json: bool = JsonOpt,
+    verbose: bool = VerboseOpt,
+) -> None:
+    """Re-attach to a running or finished operation and show it to its end; the exit code is its outcome:
+    0 done, 1 failed (rolled back where that applies), 3 refused with nothing changed."""
+    session = open_host(host, config)
+    seen: dict[str, Any] = {}
+
+    def events():
+        for event in operations.follow(session.agent, op):
+            seen.setdefault("op_id", event.get("op_id"))
+            seen.setdefault("kind", event.get("op_kind"))
+            yield event
+
+    try:
+        result = operations.conclude(session.agent, "operation", events(), EventPrinter(quiet=as_json, verbose=verbose))
+    except KeyboardInterrupt:
+        raise Interrupted(f"{session.host.name}: stopped following; the {seen.get('kind') or 'operation'} "
+                          f"{seen.get('op_id') or op} goes on there regardless") from None
+    if as_json:
+        console.print_json(json.dumps(result, default=str))
+        return
+    console.print(outcome_line(session.host.name, result.get("op_kind"), result), soft_wrap=True)
+
+
+@app.command("list")
+@handle_errors
+def list_ops(
+    host: str = HostOpt,
+    config: str = ConfigOpt,
+    limit: int = typer.Option(20, "--limit", "-n", min=1, help="How many of the newest to show."),
+    as_json: bool = JsonOpt,
+) -> None:
+    """The newest operations on the host: id, kind, who, when, and how each ended."""
+    session = open_host(host, config)
+    ops = session.agent.call("op_list", limit=limit)["ops"]
+    if as_json:
+        console.print_json(json.dumps(ops, default=str))
+        return
+    if not ops:
+        console.print(f"no operations on {escape(session.host.name)} yet")
+        return
+    table = Table(box=None)
+    table.add_column("operation", no_wrap=True, min_width=max(len(o["id"]) for o in ops))
+    for name in ("kind", "who", "received", "state"):
+        table.add_column(name, overflow="fold")
+    for o in ops:
+        table.add_row(o["id"], o.get("kind") or "", o.get("who") or "", str(o.get("received") or "")[:19],
+                      o.get("state") or "")
+    console.print(table)
