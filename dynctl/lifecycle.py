@@ -15,7 +15,7 @@ from typing import Any
 from dynctl import events
 from dynctl.agent import AgentClient, AgentError
 from dynctl.config import HostConfig
-from dynctl.errors import ConfigError, OperationFailed
+from dynctl.errors import ConfigError, OperationFailed, PreflightError
 from dynctl.events import EventSink
 
 # dynctl adds these itself (SPEC §3); a config that sets them would fight with it.
@@ -53,6 +53,9 @@ class ServerState:
     log: str | None = None
     port_owner: dict[str, Any] | None = None  # a listener on the port that dynctl does not manage
     leftovers: tuple[dict[str, Any], ...] = field(default=())  # live processes of a previous server
+    # sglang launchers for this port that dynctl did not start and that do not listen: named, never signalled
+    unmanaged: tuple[dict[str, Any], ...] = field(default=())
+    not_ours: dict[str, Any] | None = None  # what is in the server's way and not ours, with the agent's words
 
     @classmethod
     def from_agent(cls, raw: dict[str, Any]) -> ServerState:
@@ -61,6 +64,7 @@ class ServerState:
             argv=tuple(raw.get("argv") or ()), uptime_s=raw.get("uptime_s"), started=raw.get("started"),
             release=raw.get("release"), health=raw.get("health"), pidfile=raw.get("pidfile") or "absent",
             log=raw.get("log"), port_owner=raw.get("port_owner"), leftovers=tuple(raw.get("leftovers") or ()),
+            unmanaged=tuple(raw.get("unmanaged") or ()), not_ours=raw.get("not_ours"),
         )
 
     @property
@@ -91,19 +95,32 @@ def find_server(agent: AgentClient) -> ServerState:
     return ServerState.from_agent(agent.call("server_find"))
 
 
-def stop_server(agent: AgentClient, grace: float = 60.0, on_event: EventSink = events.ignore) -> dict[str, Any]:
-    """SIGTERM, drain up to `grace`, SIGKILL, sweep the server's tree, wait for port and GPU to be free."""
+def stop_server(agent: AgentClient, grace: float = 60.0, on_event: EventSink = events.ignore,
+                pid: int | None = None, pid_start: int | None = None) -> dict[str, Any]:
+    """SIGTERM, drain up to `grace`, SIGKILL, sweep the server's tree, wait for port and GPU to be free.
+
+    A launcher of an sglang server that dynctl did not start is never signalled unless the operator names
+    it (`pid`, with the start time they confirmed); without that, stop refuses and names it (exit 3).
+    """
     if grace < 0:
         raise ValueError("grace must be >= 0")
-    on_event(events.StepStarted("stop", f"SIGTERM, drain up to {grace:g} s"))
+    what = f"pid {pid}, named by the operator: " if pid is not None else ""
+    on_event(events.StepStarted("stop", f"{what}SIGTERM, drain up to {grace:g} s"))
     t0 = time.monotonic()
+    params: dict[str, Any] = {"grace": grace, "port_timeout": _STOP_PORT_TIMEOUT_S, "gpu_timeout": _STOP_GPU_TIMEOUT_S}
+    if pid is not None:
+        params.update(pid=pid, pid_start=pid_start)
     with _patience(agent, grace + _STOP_PORT_TIMEOUT_S + _STOP_GPU_TIMEOUT_S + _SLACK_S):
         try:
-            result = agent.call("server_stop", grace=grace, port_timeout=_STOP_PORT_TIMEOUT_S,
-                                gpu_timeout=_STOP_GPU_TIMEOUT_S)
+            result = agent.call("server_stop", **params)
         except AgentError as err:
             on_event(events.Failed("stop", str(err)))
             raise
+    not_ours = result.get("not_ours") or {}
+    if not result.get("stopped") and not_ours.get("kind") == "unmanaged":
+        message = f"{agent.host.name}: {result['message']}"
+        on_event(events.Failed("stop", message))
+        raise PreflightError(message)
     report_stop(result, time.monotonic() - t0, on_event)
     return result
 
@@ -122,6 +139,9 @@ def report_stop(result: dict[str, Any], elapsed: float, on_event: EventSink) -> 
     for text in result.get("warnings", []):
         on_event(events.Warning(text))
     parts = []
+    if result.get("pid") is None:  # nothing ran: only a dead server's leftovers were swept
+        parts.append(f"no server was running; swept {len(result.get('swept', []))} leftover process(es) of "
+                     f"the previous server")
     if "sigterm_to_exit_s" in t:
         parts.append(f"pid {result['pid']} exited after {_secs(t['sigterm_to_exit_s'])}")
     parts.append(f"port free {_secs(t.get('exit_to_port_free_s', 0))} later")
