@@ -56,6 +56,7 @@ class ServerState:
     # sglang launchers for this port that dynctl did not start and that do not listen: named, never signalled
     unmanaged: tuple[dict[str, Any], ...] = field(default=())
     not_ours: dict[str, Any] | None = None  # what is in the server's way and not ours, with the agent's words
+    in_force: dict[str, Any] | None = None  # {"release", "argv"} of the release in force: what start runs
 
     @classmethod
     def from_agent(cls, raw: dict[str, Any]) -> ServerState:
@@ -64,7 +65,7 @@ class ServerState:
             argv=tuple(raw.get("argv") or ()), uptime_s=raw.get("uptime_s"), started=raw.get("started"),
             release=raw.get("release"), health=raw.get("health"), pidfile=raw.get("pidfile") or "absent",
             log=raw.get("log"), port_owner=raw.get("port_owner"), leftovers=tuple(raw.get("leftovers") or ()),
-            unmanaged=tuple(raw.get("unmanaged") or ()), not_ours=raw.get("not_ours"),
+            unmanaged=tuple(raw.get("unmanaged") or ()), not_ours=raw.get("not_ours"), in_force=raw.get("in_force"),
         )
 
     @property
@@ -78,6 +79,16 @@ def server_argv(host: HostConfig, extra: Sequence[str] = ()) -> list[str]:
         if any(a == flag or a.startswith(flag + "=") for a in host.args):
             raise ConfigError(f"hosts.{host.name}.args: remove {flag}; dynctl adds it itself (SPEC §3)")
     return [*host.launch_argv(), *host.args, *extra, "--port", str(host.port), "--enable-metrics"]
+
+
+def launch_in_force(state: ServerState, host: HostConfig) -> tuple[list[str], str]:
+    """The argv a plain start or restart runs, and why: the one recorded with the release in force (what
+    deploy started, threshold included), else the configured one. The agent decides the same way."""
+    in_force = state.in_force or {}
+    if in_force.get("argv"):
+        return list(in_force["argv"]), f"the launch argv of release {in_force['release']}"
+    why = f"release {in_force['release']} records none" if in_force else "no release in force"
+    return server_argv(host), f"the configured launch argv ({why})"
 
 
 @contextlib.contextmanager
@@ -155,20 +166,34 @@ def _secs(seconds: float) -> str:
     return f"{seconds * 1000:.0f} ms" if seconds < 1 else f"{seconds:.2f} s"
 
 
-def start_server(agent: AgentClient, argv: Sequence[str], env: dict[str, str] | None = None,
-                 release: str | None = None, on_event: EventSink = events.ignore) -> dict[str, Any]:
-    """Start argv detached on the host (own session, log and pidfile in workdir); returns at once."""
-    on_event(events.StepStarted("start", " ".join(argv)))
+def start_server(agent: AgentClient, argv: Sequence[str] | None, env: dict[str, str] | None = None,
+                 release: str | None = None, on_event: EventSink = events.ignore,
+                 baseline_argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Start argv detached on the host (own session, log and pidfile in workdir); returns at once.
+
+    argv None: the launch argv recorded with the release in force, else `baseline_argv` (the configured
+    one); the host decides, under its lock, and the result's "launch" says which.
+    """
+    params: dict[str, Any] = {"env": dict(env or {}), "release": release}
+    if argv is not None:
+        params["argv"] = list(argv)
+        on_event(events.StepStarted("start", " ".join(argv)))
+    else:
+        params["baseline_argv"] = list(baseline_argv or [])
+        on_event(events.StepStarted("start", "with the launch argv of the release in force, else the configured one"))
     t0 = time.monotonic()
     try:
-        result = agent.call("server_start", argv=list(argv), env=dict(env or {}), release=release)
+        result = agent.call("server_start", **params)
     except AgentError as err:
         on_event(events.Failed("start", str(err)))
         raise
+    how = f" with {result['launch']}" if argv is None and result.get("launch") else ""
     if result.get("already_running"):
         on_event(events.StepDone("start", time.monotonic() - t0, f"already running as pid {result['pid']}"))
     else:
-        on_event(events.StepDone("start", time.monotonic() - t0, f"pid {result['pid']}, log {result['log']}"))
+        on_event(events.StepDone("start", time.monotonic() - t0,
+                                 f"pid {result['pid']}{how}: {' '.join(result.get('argv') or [])}, "
+                                 f"log {result['log']}"))
     return result
 
 
@@ -190,13 +215,18 @@ def wait_ready(agent: AgentClient, ready_timeout: float = 900.0,
 
 def restart_server(agent: AgentClient, argv: Sequence[str] | None = None, env: dict[str, str] | None = None,
                    grace: float = 60.0, ready_timeout: float = 900.0,
-                   on_event: EventSink = events.ignore) -> dict[str, Any]:
-    """stop → start → wait in ONE agent process on the host; argv None reuses the last recorded start."""
+                   on_event: EventSink = events.ignore, baseline_argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """stop → start → wait in ONE agent process on the host.
+
+    argv None: the launch argv of the release in force, else `baseline_argv`, else the last recorded start.
+    """
     on_event(events.StepStarted("stop", f"SIGTERM, drain up to {grace:g} s"))
     t0 = time.monotonic()
     params: dict[str, Any] = {"grace": grace, "ready_timeout": ready_timeout}
     if argv is not None:
         params.update(argv=list(argv), env=dict(env or {}))
+    elif baseline_argv is not None:
+        params.update(baseline_argv=list(baseline_argv))
     try:
         for item in agent.stream("server_restart", **params):
             kind = item.get("event")
@@ -206,8 +236,9 @@ def restart_server(agent: AgentClient, argv: Sequence[str] | None = None, env: d
                 on_event(events.StepStarted("start", "as recorded" if argv is None else " ".join(argv)))
             elif kind == "started":
                 started = item["result"]
+                how = f" with {started['launch']}" if argv is None and started.get("launch") else ""
                 on_event(events.StepDone("start", time.monotonic() - t0,
-                                         f"pid {started['pid']}: {' '.join(started.get('argv') or [])}"))
+                                         f"pid {started['pid']}{how}: {' '.join(started.get('argv') or [])}"))
                 t0 = time.monotonic()
                 on_event(events.StepStarted("ready", f"up to {ready_timeout:g} s"))
             else:

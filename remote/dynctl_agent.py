@@ -1899,7 +1899,7 @@ def find_server(ctx):
            "log": ctx.path(SERVER_LOG), "port_owner": None,
            "leftovers": [_lc_describe(p) for p in sorted(loc["leftovers"])],
            "unmanaged": [_lc_describe(p, s) for p, s in loc["unmanaged"].items()],
-           "not_ours": not_ours}
+           "not_ours": not_ours, "in_force": _dp_launch_in_force(ctx)}
     if loc["foreign"]:
         out["port_owner"] = _lc_describe(loc["foreign"][0])
     if server is None:
@@ -2442,11 +2442,30 @@ def verb_server_stop(ctx, grace=60, port_timeout=30, gpu_timeout=60, pid=None, p
         return stop_server(ctx, float(grace), float(port_timeout), float(gpu_timeout), pid, pid_start)
 
 
+def _lc_resolve_launch(ctx, argv, release, baseline_argv):
+    """(argv, release, how) of a start: the caller's argv, else the one recorded with the release in force
+    (what deploy started, so a start after a stop keeps the threshold), else the configured one."""
+    if argv is not None:
+        return argv, release, "the given launch argv"
+    in_force = _dp_launch_in_force(ctx)
+    if in_force is not None and in_force["argv"]:
+        return in_force["argv"], in_force["release"], "the launch argv of release %s" % in_force["release"]
+    if baseline_argv:
+        why = ("release %s records none" % in_force["release"]) if in_force else "no release in force"
+        return list(baseline_argv), None, "the configured launch argv (%s)" % why
+    return None, release, None
+
+
 @verb("server_start")
-def verb_server_start(ctx, argv=None, env=None, release=None, **extra):
+def verb_server_start(ctx, argv=None, env=None, release=None, baseline_argv=None, **extra):
     _lc_no_extra("server_start", extra)
     with host_lock(ctx, "start"), hangup_shield():
-        return start_server(ctx, argv, env, release)
+        argv, release, how = _lc_resolve_launch(ctx, argv, release, baseline_argv)
+        if argv is None:
+            raise AgentError("start: no argv given, no release in force and no configured launch", "usage")
+        result = start_server(ctx, argv, env, release)
+        result["launch"] = how
+        return result
 
 
 def _lc_raise_failed(items):
@@ -2466,19 +2485,22 @@ def verb_server_wait_ready(ctx, ready_timeout=900, generate=True, **extra):
 
 
 @verb("server_restart", stream=True)
-def verb_server_restart(ctx, argv=None, env=None, release=None, grace=60, ready_timeout=900, **extra):
+def verb_server_restart(ctx, argv=None, env=None, release=None, grace=60, ready_timeout=900, baseline_argv=None,
+                        **extra):
     """stop → start → wait_ready in one agent process, so a dropped connection cannot leave it between."""
     _lc_no_extra("server_restart", extra)
     with host_lock(ctx, "restart"):
         with hangup_shield():
+            rec = _lc_pidfile(ctx) or {}
+            argv, release, how = _lc_resolve_launch(ctx, argv, release, baseline_argv)
             if argv is None:  # the last start, as recorded (the pidfile is 0600: env values may be secret)
-                rec = _lc_pidfile(ctx) or {}
-                argv = rec.get("argv")
-                env = rec.get("env") if env is None else env
+                argv, how = rec.get("argv"), "the launch argv of the last start"
                 release = rec.get("release") if release is None else release
                 if not argv:
                     raise AgentError("restart: no argv given and no previous start recorded in %s" % ctx.workdir,
                                      "usage")
+            if env is None and rec.get("argv") == argv:
+                env = rec.get("env")
             _lc_preflight(ctx, locate_server(ctx), "restart")
             stopped = stop_server(ctx, float(grace))
             try:
@@ -2488,6 +2510,7 @@ def verb_server_restart(ctx, argv=None, env=None, release=None, grace=60, ready_
                     raise
                 raise AgentError("restart: %s, but the new server was not started: %s"
                                  % (_lc_stop_summary(stopped), err), "failed", **err.extra)
+            started["launch"] = how
         yield {"ok": True, "event": "stopped", "result": stopped}
         yield {"ok": True, "event": "started", "result": started}
         for item in _lc_raise_failed(wait_ready(ctx, float(ready_timeout))):
@@ -3154,12 +3177,20 @@ def _dp_recover(ctx, oplog):
             revert_release(ctx, m["id"])
 
 
-def _dp_previous_argv(ctx, baseline_argv):
+def _dp_launch_in_force(ctx):
+    """{"release": id, "argv": its recorded launch argv or None} of the release in force, or None."""
     current = _pt_current(ctx)
-    if current is None:
+    if current is None or not _PT_ID.match(current):
+        return None
+    manifest = _read_json(os.path.join(_pt_releases_dir(ctx), current, "manifest.json")) or {}
+    return {"release": current, "argv": manifest.get("launch_argv")}
+
+
+def _dp_previous_argv(ctx, baseline_argv):
+    in_force = _dp_launch_in_force(ctx)
+    if in_force is None:
         return None, baseline_argv
-    manifest = next((m for m in _pt_manifests(ctx) if m["id"] == current), {})
-    return current, manifest.get("launch_argv") or baseline_argv
+    return in_force["release"], in_force["argv"] or baseline_argv
 
 
 @operation("deploy")

@@ -33,7 +33,7 @@ from lifecycle_harness import Box, alive, box, listening, make_box, wait_for  # 
 from sshd_harness import free_port
 from test_deploy_e2e import box as demo_box  # noqa: F401 - fixture: a demo host inside pct container 129
 from test_deploy_e2e import demo_template  # noqa: F401 - fixture
-from test_deploy_e2e import dynctl, server_pid, session, start_baseline, tree_hashes
+from test_deploy_e2e import dynctl, server_info, server_pid, session, start_baseline, tree_hashes
 
 # An sglang "launcher" that is loading (it never opens its port): what an operator started by hand, or
 # another user's server on this machine. dynctl did not start it, so it must never signal it.
@@ -172,6 +172,38 @@ def test_status_of_an_unmanaged_launcher_is_down_and_names_it(box: Box, tmp_path
     assert snap.not_ours and f"pid {stranger.pid}" in snap.not_ours and "dynctl did not start it" in snap.not_ours
 
 
+# ---------------------------------------------------------------- start / restart keep the release's argv
+
+
+def test_start_and_restart_take_the_argv_of_the_release_in_force(box: Box):
+    box.workdir.mkdir(parents=True, exist_ok=True)
+    rel = "0001-20260101T000000Z"
+    argv = box.argv("--tokens", "3")  # what "deploy" started: the release's recorded launch
+    (box.workdir / "releases" / rel).mkdir(parents=True)
+    (box.workdir / "releases" / rel / "manifest.json").write_text(json.dumps(
+        {"id": rel, "seq": 1, "state": "applied", "launch_argv": argv, "files": []}))
+    (box.workdir / "current").write_text(rel + "\n")
+
+    state = lifecycle.find_server(box.agent)
+    assert lifecycle.launch_in_force(state, box.host) == (argv, f"the launch argv of release {rel}")
+    started = lifecycle.start_server(box.agent, None, on_event=box.events.append, baseline_argv=box.argv())
+    box.remember_server()
+    assert started["argv"] == argv and started["launch"] == f"the launch argv of release {rel}"
+    assert box.pidfile()["release"] == rel
+    assert lifecycle.wait_ready(box.agent, 60)["generate"]["tokens"] == 3
+
+    # a server started by hand with the config's argv comes back, on restart, as the release says
+    lifecycle.stop_server(box.agent, grace=10)
+    lifecycle.start_server(box.agent, box.argv())
+    box.remember_server()
+    ready = lifecycle.restart_server(box.agent, grace=10, ready_timeout=60, baseline_argv=box.argv(),
+                                     on_event=box.events.append)
+    box.remember_server()
+    assert ready["generate"]["tokens"] == 3 and box.pidfile()["argv"] == argv
+    start_done = [e for e in box.events if isinstance(e, events.StepDone) and e.step == "start"][-1]
+    assert f"release {rel}" in start_done.detail
+
+
 # ---------------------------------------------------------------- end to end: CLI → sshd → pct → demo host
 
 
@@ -200,6 +232,11 @@ def port_of(config: Path) -> int:
 
 def releases_in_force(config: Path) -> list[str]:
     return [r["id"] for r in core.list_releases(session(config).agent) if r.get("state") == "applied"]
+
+
+def threshold_now(config: Path) -> int | None:
+    info = server_info(config) or {}
+    return (info.get("internal_states") or [{}])[0].get("speculative_disable_batch_threshold")
 
 
 def test_deploy_refuses_a_stranger_launcher_and_never_signals_it(demo_box, strangers, tmp_path):
@@ -358,3 +395,41 @@ def _has_marker_of(config: Path, proc: psutil.Process) -> bool:
         return proc.environ().get("DYNCTL_SERVER_ID") == record["marker"]
     except psutil.Error:
         return False
+
+
+# ---------------------------------------------------------------- stop → start keeps the deployed threshold
+
+
+def test_stop_then_start_keeps_the_deployed_threshold(demo_box):
+    config = demo_box()
+    start_baseline(config)
+    deployed = dynctl("deploy", "--threshold", "5", "--yes", config=config)
+    assert deployed.returncode == 0, deployed.stdout + deployed.stderr
+    rel = releases_in_force(config)[0]
+    assert threshold_now(config) == 5
+
+    assert dynctl("stop", "--yes", config=config).returncode == 0
+    started = dynctl("start", "--yes", config=config)
+    assert started.returncode == 0, started.stdout + started.stderr
+    assert f"the launch argv of release {rel}" in started.stdout
+    assert threshold_now(config) == 5
+
+    restarted = dynctl("restart", "--yes", config=config)
+    assert restarted.returncode == 0 and f"release {rel}" in restarted.stdout
+    assert threshold_now(config) == 5
+
+    from dynctl.config import load_config
+    from dynctl.host_actions import CoreActions
+
+    cfg = load_config(str(config))
+    keys = CoreActions(cfg, cfg.host("box"), grace=10, ready_timeout=60)  # the TUI's s / S keys
+    keys.stop(events.ignore)
+    keys.start(events.ignore)
+    assert threshold_now(config) == 5
+
+    back = dynctl("rollback", "--yes", config=config)  # no release in force: the config's argv
+    assert back.returncode == 0, back.stdout + back.stderr
+    assert dynctl("stop", "--yes", config=config).returncode == 0
+    plain = dynctl("start", "--yes", config=config)
+    assert plain.returncode == 0 and "the configured launch argv (no release in force)" in plain.stdout
+    assert threshold_now(config) is None

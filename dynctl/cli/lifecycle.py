@@ -151,16 +151,17 @@ def start(
     as_json: bool = JsonOpt,
     verbose: bool = VerboseOpt,
 ) -> None:
-    """Start the server detached with the configured launch argv, then wait until it serves."""
+    """Start the server detached with the launch argv of the release in force (else the configured one)."""
     session = open_host(host, config)
-    argv = lifecycle.server_argv(session.host)
     state = lifecycle.find_server(session.agent)
     if state.pid is not None:
         console.print(f"server on {session.host.name} is already running: {_describe(state)}")
         return
-    confirm(f"Start the server on {session.host.name}: {' '.join(argv)}?", yes)
+    argv, how = lifecycle.launch_in_force(state, session.host)
+    confirm(f"Start the server on {session.host.name} with {how}: {' '.join(argv)}?", yes)
     printer = EventPrinter(quiet=as_json, verbose=verbose)
-    started = lifecycle.start_server(session.agent, argv, on_event=printer)
+    started = lifecycle.start_server(session.agent, None, on_event=printer,
+                                     baseline_argv=lifecycle.server_argv(session.host))
     ready = lifecycle.wait_ready(session.agent, ready_timeout, on_event=printer)
     if as_json:
         _print_json({"started": started, "ready": ready})
@@ -176,16 +177,15 @@ def restart(
     as_json: bool = JsonOpt,
     verbose: bool = VerboseOpt,
 ) -> None:
-    """Stop and start again with the same arguments, in one step on the host."""
+    """Stop and start again, in one step on the host, with the launch argv of the release in force (else the
+    configured one)."""
     session = open_host(host, config)
     state = lifecycle.find_server(session.agent)
-    # A server dynctl started restarts exactly as recorded (a deployed threshold included); any other
-    # server comes back with the configured launch argv.
-    argv = None if state.source == "pidfile" else lifecycle.server_argv(session.host)
-    shown = " ".join(state.argv) if argv is None else " ".join(argv)
-    confirm(f"Restart the server on {session.host.name} ({_describe(state)}) as: {shown}?", yes)
-    ready = lifecycle.restart_server(session.agent, argv, grace=grace, ready_timeout=ready_timeout,
-                                     on_event=EventPrinter(quiet=as_json, verbose=verbose))
+    argv, how = lifecycle.launch_in_force(state, session.host)
+    confirm(f"Restart the server on {session.host.name} ({_describe(state)}) with {how}: {' '.join(argv)}?", yes)
+    ready = lifecycle.restart_server(session.agent, None, grace=grace, ready_timeout=ready_timeout,
+                                     on_event=EventPrinter(quiet=as_json, verbose=verbose),
+                                     baseline_argv=lifecycle.server_argv(session.host))
     if as_json:
         _print_json(ready)
 
