@@ -3193,9 +3193,54 @@ def _dp_previous_argv(ctx, baseline_argv):
     return in_force["release"], in_force["argv"] or baseline_argv
 
 
+DEFAULT_SOAK_S = 5.0
+
+
+def _dp_soak(ctx, oplog, seconds, poll=0.05):
+    """Keep watching a server that just became ready: dying within `seconds` fails the operation.
+
+    A server that crashes a few seconds after its first good /generate (a scheduler that hits a bad
+    kernel on its second batch, say) must not be reported as deployed.
+    """
+    seconds = float(seconds or 0)
+    rec = _lc_pidfile(ctx) or {}
+    if seconds <= 0 or not rec.get("pid"):
+        return {"soak_s": 0.0}
+    pid, start = int(rec["pid"]), rec.get("pid_start")
+    log_path, since = rec.get("log") or ctx.path(SERVER_LOG), int(rec.get("log_offset") or 0)
+    host = _lc_probe_host(rec.get("argv"))
+    with oplog.step("soak", "watching pid %d for %gs after it became ready" % (pid, seconds)):
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < seconds:
+            status = _lc_reap(pid)
+            if status is not None or not _lc_same(pid, start):
+                after = time.monotonic() - t0
+                code = "" if status is None else " with code %d" % status
+                journal(ctx, "soak.crash", pid=pid, after_s=round(after, 3), exit_code=status)
+                raise AgentError("the server (pid %d) exited%s %.1fs after it became ready (soak of %gs)"
+                                 % (pid, code, after, seconds), "failed", reason="crash",
+                                 log_tail=_lc_log_tail(log_path, 40, since=since))
+            time.sleep(poll)
+        # alive is not enough: it must still answer (a few tries, so one slow answer under load is no failure)
+        health = None
+        for _ in range(4):
+            health = _lc_health(host, ctx.port)
+            if health == 200 or not _lc_same(pid, start):
+                break
+            time.sleep(0.5)
+        if health != 200:
+            journal(ctx, "soak.unhealthy", pid=pid, health=health)
+            raise AgentError("the server (pid %d) %s at the end of the %gs soak"
+                             % (pid, "exited" if not _lc_same(pid, start) else
+                                "stopped answering /health (last answer: %s)" % health, seconds),
+                             "failed", reason="soak", log_tail=_lc_log_tail(log_path, 40, since=since))
+    journal(ctx, "soak.ok", pid=pid, seconds=seconds)
+    return {"soak_s": seconds}
+
+
 @operation("deploy")
 def op_deploy(ctx, oplog, files, sglang_version, strategy, threshold, launch_argv, baseline_argv,
-              artifacts=None, grace=60, ready_timeout=900, **_):
+              artifacts=None, grace=60, ready_timeout=900, soak=DEFAULT_SOAK_S, **_):
     loc = locate_server(ctx)
     _lc_preflight(ctx, loc, "deploy")
     _dp_recover(ctx, oplog)
@@ -3213,11 +3258,12 @@ def op_deploy(ctx, oplog, files, sglang_version, strategy, threshold, launch_arg
             oplog.emit("info", text=_lc_stop_summary(stopped))
         ready = _dp_gate(ctx, oplog, argv, release, ready_timeout)
         verified = _dp_verify(ctx, oplog, strategy, threshold)
+        verified.update(_dp_soak(ctx, oplog, soak))
     except AgentError as err:
         oplog.warn("deploy failed: %s" % err)
         target = previous or BASELINE
         rolled = _dp_roll_back_after_failure(ctx, oplog, release, previous_argv, running is not None,
-                                             grace, ready_timeout)
+                                             grace, ready_timeout, soak)
         raise AgentError("deploy of release %s failed: %s; %s" % (release, err, rolled), "failed",
                          rolled_back_to=target, failed_release=release,
                          log_tail=err.extra.get("log_tail") or [])
@@ -3228,7 +3274,7 @@ def op_deploy(ctx, oplog, files, sglang_version, strategy, threshold, launch_arg
     return result
 
 
-def _dp_roll_back_after_failure(ctx, oplog, release, previous_argv, was_running, grace, ready_timeout):
+def _dp_roll_back_after_failure(ctx, oplog, release, previous_argv, was_running, grace, ready_timeout, soak=0):
     with oplog.step("rollback", "restoring the previous release"):
         stopped = stop_server(ctx, grace=min(grace, 30))
         oplog.emit("info", text=_lc_stop_summary(stopped))
@@ -3237,13 +3283,14 @@ def _dp_roll_back_after_failure(ctx, oplog, release, previous_argv, was_running,
         return "rolled back to the previous release (the server was not running before; left stopped)"
     try:
         _dp_gate(ctx, oplog, previous_argv, _pt_current(ctx), ready_timeout)
+        _dp_soak(ctx, oplog, min(float(soak or 0), DEFAULT_SOAK_S))  # it served before: a short look will do
     except AgentError as err:
         return "rolled back the files, but the previous server did not come back: %s" % err
     return "rolled back to %s, which is serving again" % (_pt_current(ctx) or BASELINE)
 
 
 @operation("rollback")
-def op_rollback(ctx, oplog, baseline_argv, to=None, grace=60, ready_timeout=900, **_):
+def op_rollback(ctx, oplog, baseline_argv, to=None, grace=60, ready_timeout=900, soak=DEFAULT_SOAK_S, **_):
     loc = locate_server(ctx)
     _lc_preflight(ctx, loc, "rollback")
     _dp_recover(ctx, oplog)
@@ -3281,6 +3328,7 @@ def op_rollback(ctx, oplog, baseline_argv, to=None, grace=60, ready_timeout=900,
                 revert_release(ctx, m["id"])
             done.append("reverted %s" % m["id"])
         ready = _dp_gate(ctx, oplog, argv, None if target == BASELINE else target, ready_timeout)
+        soaked = _dp_soak(ctx, oplog, soak)
     except AgentError as err:
         if not ctx.changed:
             raise
@@ -3291,7 +3339,7 @@ def op_rollback(ctx, oplog, baseline_argv, to=None, grace=60, ready_timeout=900,
                          reason=err.extra.get("reason"))
     _dp_set_state(ctx, last="rollback", target=target)
     return {"target": target, "changed": True, "reverted": [m["id"] for m in newer], "argv": argv,
-            "pid": ready.get("pid")}
+            "pid": ready.get("pid"), "soak_s": soaked.get("soak_s")}
 
 
 @verb("deploy_context")

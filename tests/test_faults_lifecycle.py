@@ -19,15 +19,17 @@ import signal
 import socket
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
+import httpx
 import psutil
 import pytest
 
 from dynctl import deploy as core
 from dynctl import events, lifecycle
 from dynctl.agent import AgentError
-from dynctl.errors import PreflightError
+from dynctl.errors import OperationFailed, PreflightError
 from dynctl.server_status import sample_server
 from lifecycle_harness import Box, alive, box, listening, make_box, wait_for  # noqa: F401 - box is a fixture
 from sshd_harness import free_port
@@ -311,7 +313,7 @@ def _listen(family: int, addr: str, port: int) -> socket.socket:
 def test_a_foreign_listener_refuses_rollback_restart_start_before_anything_changes(demo_box, verb):
     config = demo_box()
     start_baseline(config)
-    assert dynctl("deploy", "--threshold", "5", "--yes", config=config).returncode == 0
+    assert dynctl("deploy", "--threshold", "5", "--yes", "--soak", "0", config=config).returncode == 0
     assert dynctl("stop", "--yes", config=config).returncode == 0
     patched, rel = tree_hashes(config), releases_in_force(config)
     with _listen(socket.AF_INET, "127.0.0.1", port_of(config)):
@@ -357,7 +359,7 @@ def test_a_port_taken_after_the_stop_is_a_failure_not_a_refusal(demo_box, strang
     that cannot run is exit 1, and the message says what was already done."""
     config = demo_box()
     start_baseline(config)
-    assert dynctl("deploy", "--threshold", "5", "--yes", config=config).returncode == 0
+    assert dynctl("deploy", "--threshold", "5", "--yes", "--soak", "0", config=config).returncode == 0
     grabber = strangers([sys.executable, "-c", _GRAB, str(port_of(config))], stdout=subprocess.PIPE, text=True)
     out = dynctl(verb, "--yes", config=config)
     assert grabber.stdout.readline().strip() == "grabbed"  # it took the port as soon as ours let it go
@@ -382,7 +384,7 @@ def test_the_stop_step_says_when_it_only_swept_leftovers(demo_box):
                                and p.pid != pid and _has_marker_of(config, p)], what="the orphan")[0]
     os.kill(pid, signal.SIGKILL)
     wait_for(lambda: not alive(pid), what="the killed server")
-    out = dynctl("deploy", "--threshold", "5", "--yes", config=config)
+    out = dynctl("deploy", "--threshold", "5", "--yes", "--soak", "0", config=config)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "no server was running; swept 1 leftover process(es) of the previous server" in out.stdout
     assert "stopped pid None" not in out.stdout + out.stderr
@@ -403,7 +405,7 @@ def _has_marker_of(config: Path, proc: psutil.Process) -> bool:
 def test_stop_then_start_keeps_the_deployed_threshold(demo_box):
     config = demo_box()
     start_baseline(config)
-    deployed = dynctl("deploy", "--threshold", "5", "--yes", config=config)
+    deployed = dynctl("deploy", "--threshold", "5", "--yes", "--soak", "0", config=config)
     assert deployed.returncode == 0, deployed.stdout + deployed.stderr
     rel = releases_in_force(config)[0]
     assert threshold_now(config) == 5
@@ -427,9 +429,52 @@ def test_stop_then_start_keeps_the_deployed_threshold(demo_box):
     keys.start(events.ignore)
     assert threshold_now(config) == 5
 
-    back = dynctl("rollback", "--yes", config=config)  # no release in force: the config's argv
+    back = dynctl("rollback", "--yes", "--soak", "0", config=config)  # no release in force: the config's argv
     assert back.returncode == 0, back.stdout + back.stderr
     assert dynctl("stop", "--yes", config=config).returncode == 0
     plain = dynctl("start", "--yes", config=config)
     assert plain.returncode == 0 and "the configured launch argv (no release in force)" in plain.stdout
     assert threshold_now(config) is None
+
+
+# ---------------------------------------------------------------- soak: a crash soon after ready
+
+
+def test_a_server_that_dies_soon_after_ready_is_rolled_back(demo_box):
+    config = demo_box()
+    old = start_baseline(config)
+    pristine = tree_hashes(config)
+    s = session(config)
+    dplan = core.plan_deploy(s.agent, s.host, 5)
+    dplan.launch_argv += ["--sim-crash-after", "8"]  # a scheduler that dies a few seconds into serving
+    seen: list[events.Event] = []
+    with pytest.raises(OperationFailed) as info:
+        core.deploy(s.agent, dplan, seen.append, ready_timeout=60, soak=30)
+    message = str(info.value)
+    assert "after it became ready" in message and "soak of 30s" in message, message
+    assert "rolled back to baseline, which is serving again" in message
+    assert [e.step for e in seen if isinstance(e, events.StepDone)][:5] == ["switch", "stop", "start", "health",
+                                                                            "verify"]
+    assert any(isinstance(e, events.Failed) and any("CUDA error" in ln for ln in e.log_tail) for e in seen)
+    assert tree_hashes(config) == pristine and releases_in_force(config) == []
+    new = server_pid(config)
+    assert new and new != old
+    r = httpx.post(f"http://127.0.0.1:{s.host.port}/generate",
+                   json={"text": "hi", "sampling_params": {"max_new_tokens": 2}}, timeout=30)
+    assert r.status_code == 200
+
+
+def test_a_rollback_whose_server_dies_in_the_soak_says_so(demo_box, sshd, tmp_path):
+    config = demo_box()
+    start_baseline(config)
+    assert dynctl("deploy", "--threshold", "5", "--yes", "--soak", "0", config=config).returncode == 0
+    rel = releases_in_force(config)[0]
+    # the baseline (the configured argv) now crashes a few seconds into serving
+    entry = tomllib.loads(config.read_text())["hosts"]["box"]
+    entry["args"] = [*entry["args"], "--sim-crash-after", "8"]
+    sshd.write_config(config, {"box": entry}, default_host="box")
+
+    out = dynctl("rollback", "--yes", "--soak", "30", config=config)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "rollback to baseline failed" in out.stderr and "after it became ready" in out.stderr
+    assert f"done before that: stopped the server, reverted {rel}" in out.stderr

@@ -15,6 +15,10 @@ from dynctl.cli.common import ConfigOpt, HostOpt, JsonOpt, VerboseOpt, YesOpt, c
 from dynctl.cli.lifecycle import GraceOpt, ReadyTimeoutOpt, EventPrinter
 from dynctl.transport import sh_join
 
+SoakOpt = typer.Option(core.DEFAULT_SOAK_S, "--soak", min=0,
+                       help="Seconds to keep watching the new server after it is ready; a crash in that time "
+                            "fails the operation (a deploy rolls back). 0: no soak.")
+
 
 def register(app: typer.Typer) -> None:
     app.command("deploy")(deploy)
@@ -32,10 +36,11 @@ def deploy(
     yes: bool = YesOpt,
     grace: float = GraceOpt,
     ready_timeout: float = ReadyTimeoutOpt,
+    soak: float = SoakOpt,
     as_json: bool = JsonOpt,
     verbose: bool = VerboseOpt,
 ) -> None:
-    """Inspect, validate with the server's own interpreter, back up, switch, restart, health-gate; roll back on failure."""
+    """Inspect, validate with the server's own interpreter, back up, switch, restart, health-gate, soak; roll back on failure."""
     session = open_host(host, config)
     t0 = time.monotonic()
     plan = core.plan_deploy(session.agent, session.host, threshold)
@@ -61,14 +66,16 @@ def deploy(
         return
     confirm(f"Deploy threshold {plan.threshold} to {session.host.name} ({session.host.route}), restarting its server?",
             yes)
-    result = core.deploy(session.agent, plan, EventPrinter(quiet=as_json, verbose=verbose), grace=grace, ready_timeout=ready_timeout)
+    result = core.deploy(session.agent, plan, EventPrinter(quiet=as_json, verbose=verbose), grace=grace,
+                         ready_timeout=ready_timeout, soak=soak)
     elapsed = time.monotonic() - t0
     if as_json:
         console.print_json(json.dumps(dict(result, elapsed=elapsed, round_trips=session.agent.round_trips), default=str))
         return
+    soaked = f", still serving {result['soak_s']:g} s after ready" if result.get("soak_s") else ""
     console.print(f"[bold green]deployed[/] release {result['release']} on {session.host.name}: threshold "
-                  f"{result.get('threshold_in_force')} in force (read back from /server_info), pid {result.get('pid')}, "
-                  f"{elapsed:.1f} s")
+                  f"{result.get('threshold_in_force')} in force (read back from /server_info), pid {result.get('pid')}"
+                  f"{soaked}, {elapsed:.1f} s")
 
 
 @handle_errors
@@ -79,6 +86,7 @@ def rollback(
     yes: bool = YesOpt,
     grace: float = GraceOpt,
     ready_timeout: float = ReadyTimeoutOpt,
+    soak: float = SoakOpt,
     as_json: bool = JsonOpt,
     verbose: bool = VerboseOpt,
 ) -> None:
@@ -86,15 +94,16 @@ def rollback(
     session = open_host(host, config)
     confirm(f"Roll {session.host.name} back to {to or 'the previous release'}, restarting its server?", yes)
     result = core.rollback(session.agent, session.host, to, EventPrinter(quiet=as_json, verbose=verbose), grace=grace,
-                           ready_timeout=ready_timeout)
+                           ready_timeout=ready_timeout, soak=soak)
     if as_json:
         console.print_json(json.dumps(result, default=str))
         return
     if result.get("changed") is False:
         console.print(f"[green]✓[/] {escape(result.get('message', 'nothing to do'))}")
     else:
+        soaked = f", still serving {result['soak_s']:g} s after ready" if result.get("soak_s") else ""
         console.print(f"[bold green]rolled back[/] {session.host.name} to {result['target']} "
-                      f"(reverted: {', '.join(result.get('reverted') or []) or 'none'}), pid {result.get('pid')}")
+                      f"(reverted: {', '.join(result.get('reverted') or []) or 'none'}), pid {result.get('pid')}{soaked}")
 
 
 @handle_errors
