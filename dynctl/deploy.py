@@ -73,6 +73,8 @@ def plan_deploy(agent: AgentClient, host: HostConfig, threshold: Any) -> DeployP
         dplan = DeployPlan(host, state.version, strategy, threshold, [], diff, argv, baseline, artifacts,
                            list(native.warnings), patch_detail=state.detail)
     dplan.noop = _already_deployed(dplan, state.release, context["info"])
+    if context.get("not_ours") and not dplan.noop:
+        dplan.warnings.append(f"{context['not_ours']}: the deploy will be refused (exit 3) while it is there")
     return dplan
 
 

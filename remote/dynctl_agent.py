@@ -3344,8 +3344,13 @@ def op_rollback(ctx, oplog, baseline_argv, to=None, grace=60, ready_timeout=900,
 
 @verb("deploy_context")
 def deploy_context(ctx, files=(), **_):
-    """Everything a deploy plan needs in one round trip: lock holder, patch files, server info."""
-    return {"holder": _lock_holder(ctx), "patch": patch_read(ctx, files=files), "info": server_info(ctx)}
+    """Everything a deploy plan needs in one round trip: lock holder, patch files, server info (of our
+    server only), and what is in the way that is not ours (the deploy itself will refuse it)."""
+    loc = locate_server(ctx)
+    not_ours = _lc_not_ours(ctx, loc)
+    return {"holder": _lock_holder(ctx), "patch": patch_read(ctx, files=files),
+            "info": server_info(ctx) if loc["server"] is not None else None,
+            "not_ours": not_ours and not_ours["text"]}
 
 
 @verb("server_info")

@@ -247,6 +247,8 @@ def test_deploy_refuses_a_stranger_launcher_and_never_signals_it(demo_box, stran
     pristine = tree_hashes(config)
     stranger = spawn_launcher(strangers, tmp_path, ["--model-path", "/m", "--port", str(port_of(config))])
 
+    dry = dynctl("deploy", "--threshold", "5", "--dry-run", config=config)
+    assert dry.returncode == 0 and f"pid {stranger.pid}" in dry.stdout and "will be refused" in dry.stdout
     out = dynctl("deploy", "--threshold", "5", "--yes", config=config)
     assert out.returncode == 3, out.stdout + out.stderr
     assert f"pid {stranger.pid}" in out.stderr and f"dynctl stop --pid {stranger.pid}" in out.stderr
