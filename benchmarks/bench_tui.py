@@ -152,13 +152,13 @@ def measure_cpu(hosts: int, seconds: float, size: tuple[int, int], warmup: float
 
 
 def measure_lag(samples: int, size: tuple[int, int]) -> dict[str, Any]:
-    from watch_server import SglangLikeServer
+    from watch_server import SglangLikeServer, record_as_server
 
     lags: list[float] = []
     with tempfile.TemporaryDirectory() as tmp, SglangLikeServer() as server:
         workdir = Path(tmp) / "work"
         workdir.mkdir()
-        (workdir / "server.pid").write_text(str(os.getpid()))  # this process serves the HTTP
+        record_as_server(workdir)  # this process serves the HTTP
         tm = Tmux(Path(tmp), size)
         proc = tm.start([sys.executable, __file__, "--child-live", str(server.port), str(workdir)])
         try:

@@ -18,6 +18,8 @@ from dynctl.patching.recipe import target_files
 THRESHOLD_FLAG = "--speculative-disable-batch-threshold"
 BASELINE = "baseline"  # the rollback target that means: no release, the configured launch argv
 ADAPTIVE_CONFIG = "adaptive.json"
+# After the health gate the new server is watched this long; dying in that time rolls the deploy back.
+DEFAULT_SOAK_S = 5.0
 
 
 @dataclass
@@ -71,6 +73,8 @@ def plan_deploy(agent: AgentClient, host: HostConfig, threshold: Any) -> DeployP
         dplan = DeployPlan(host, state.version, strategy, threshold, [], diff, argv, baseline, artifacts,
                            list(native.warnings), patch_detail=state.detail)
     dplan.noop = _already_deployed(dplan, state.release, context["info"])
+    if context.get("not_ours") and not dplan.noop:
+        dplan.warnings.append(f"{context['not_ours']}: the deploy will be refused (exit 3) while it is there")
     return dplan
 
 
@@ -106,20 +110,21 @@ def _already_deployed(dplan: DeployPlan, release: dict[str, Any] | None, info: d
 
 
 def deploy(agent: AgentClient, dplan: DeployPlan, on_event: events.EventSink = events.ignore,
-           grace: float = 60.0, ready_timeout: float = 900.0) -> dict[str, Any]:
+           grace: float = 60.0, ready_timeout: float = 900.0, soak: float = DEFAULT_SOAK_S) -> dict[str, Any]:
     params = {
         "files": dplan.files, "sglang_version": dplan.sglang_version, "strategy": dplan.strategy,
         "threshold": dplan.threshold, "launch_argv": dplan.launch_argv, "baseline_argv": dplan.baseline_argv,
-        "artifacts": dplan.artifacts, "grace": grace, "ready_timeout": ready_timeout,
+        "artifacts": dplan.artifacts, "grace": grace, "ready_timeout": ready_timeout, "soak": soak,
     }
     return operations.execute(agent, "deploy", params, on_event)
 
 
 def rollback(agent: AgentClient, host: HostConfig, to: str | None = None,
              on_event: events.EventSink = events.ignore, grace: float = 60.0,
-             ready_timeout: float = 900.0) -> dict[str, Any]:
+             ready_timeout: float = 900.0, soak: float = DEFAULT_SOAK_S) -> dict[str, Any]:
     refuse_if_busy(agent)
-    params = {"baseline_argv": server_argv(host), "to": to, "grace": grace, "ready_timeout": ready_timeout}
+    params = {"baseline_argv": server_argv(host), "to": to, "grace": grace, "ready_timeout": ready_timeout,
+              "soak": soak}
     return operations.execute(agent, "rollback", params, on_event)
 
 

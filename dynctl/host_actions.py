@@ -47,12 +47,12 @@ class CoreActions:
 
     def start(self, on_event: OnEvent) -> Any:
         agent = self._agent()
-        lifecycle.start_server(agent, lifecycle.server_argv(self.host), on_event=on_event)
+        lifecycle.start_server(agent, None, on_event=on_event, baseline_argv=lifecycle.server_argv(self.host))
         return lifecycle.wait_ready(agent, self.ready_timeout, on_event=on_event)
 
     def restart(self, on_event: OnEvent) -> Any:
         return lifecycle.restart_server(self._agent(), grace=self.grace, ready_timeout=self.ready_timeout,
-                                        on_event=on_event)
+                                        on_event=on_event, baseline_argv=lifecycle.server_argv(self.host))
 
     def bench(self, on_event: OnEvent) -> Any:
         """A short sweep of the deployed mode (1..64 streams, 10 s a level); `dynctl bench` has the options."""

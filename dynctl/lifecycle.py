@@ -15,7 +15,7 @@ from typing import Any
 from dynctl import events, operations
 from dynctl.agent import AgentClient, AgentError
 from dynctl.config import HostConfig
-from dynctl.errors import ConfigError, DynctlError, OperationFailed
+from dynctl.errors import ConfigError, DynctlError, OperationFailed, PreflightError
 from dynctl.events import EventSink
 
 # dynctl adds these itself (SPEC §3); a config that sets them would fight with it.
@@ -53,6 +53,10 @@ class ServerState:
     log: str | None = None
     port_owner: dict[str, Any] | None = None  # a listener on the port that dynctl does not manage
     leftovers: tuple[dict[str, Any], ...] = field(default=())  # live processes of a previous server
+    # sglang launchers for this port that dynctl did not start and that do not listen: named, never signalled
+    unmanaged: tuple[dict[str, Any], ...] = field(default=())
+    not_ours: dict[str, Any] | None = None  # what is in the server's way and not ours, with the agent's words
+    in_force: dict[str, Any] | None = None  # {"release", "argv"} of the release in force: what start runs
 
     @classmethod
     def from_agent(cls, raw: dict[str, Any]) -> ServerState:
@@ -61,6 +65,7 @@ class ServerState:
             argv=tuple(raw.get("argv") or ()), uptime_s=raw.get("uptime_s"), started=raw.get("started"),
             release=raw.get("release"), health=raw.get("health"), pidfile=raw.get("pidfile") or "absent",
             log=raw.get("log"), port_owner=raw.get("port_owner"), leftovers=tuple(raw.get("leftovers") or ()),
+            unmanaged=tuple(raw.get("unmanaged") or ()), not_ours=raw.get("not_ours"), in_force=raw.get("in_force"),
         )
 
     @property
@@ -74,6 +79,16 @@ def server_argv(host: HostConfig, extra: Sequence[str] = ()) -> list[str]:
         if any(a == flag or a.startswith(flag + "=") for a in host.args):
             raise ConfigError(f"hosts.{host.name}.args: remove {flag}; dynctl adds it itself (SPEC §3)")
     return [*host.launch_argv(), *host.args, *extra, "--port", str(host.port), "--enable-metrics"]
+
+
+def launch_in_force(state: ServerState, host: HostConfig) -> tuple[list[str], str]:
+    """The argv a plain start or restart runs, and why: the one recorded with the release in force (what
+    deploy started, threshold included), else the configured one. The agent decides the same way."""
+    in_force = state.in_force or {}
+    if in_force.get("argv"):
+        return list(in_force["argv"]), f"the launch argv of release {in_force['release']}"
+    why = f"release {in_force['release']} records none" if in_force else "no release in force"
+    return server_argv(host), f"the configured launch argv ({why})"
 
 
 @contextlib.contextmanager
@@ -91,19 +106,32 @@ def find_server(agent: AgentClient) -> ServerState:
     return ServerState.from_agent(agent.call("server_find"))
 
 
-def stop_server(agent: AgentClient, grace: float = 60.0, on_event: EventSink = events.ignore) -> dict[str, Any]:
-    """SIGTERM, drain up to `grace`, SIGKILL, sweep the server's tree, wait for port and GPU to be free."""
+def stop_server(agent: AgentClient, grace: float = 60.0, on_event: EventSink = events.ignore,
+                pid: int | None = None, pid_start: int | None = None) -> dict[str, Any]:
+    """SIGTERM, drain up to `grace`, SIGKILL, sweep the server's tree, wait for port and GPU to be free.
+
+    A launcher of an sglang server that dynctl did not start is never signalled unless the operator names
+    it (`pid`, with the start time they confirmed); without that, stop refuses and names it (exit 3).
+    """
     if grace < 0:
         raise ValueError("grace must be >= 0")
-    on_event(events.StepStarted("stop", f"SIGTERM, drain up to {grace:g} s"))
+    what = f"pid {pid}, named by the operator: " if pid is not None else ""
+    on_event(events.StepStarted("stop", f"{what}SIGTERM, drain up to {grace:g} s"))
     t0 = time.monotonic()
+    params: dict[str, Any] = {"grace": grace, "port_timeout": _STOP_PORT_TIMEOUT_S, "gpu_timeout": _STOP_GPU_TIMEOUT_S}
+    if pid is not None:
+        params.update(pid=pid, pid_start=pid_start)
     with _patience(agent, grace + _STOP_PORT_TIMEOUT_S + _STOP_GPU_TIMEOUT_S + _SLACK_S):
         try:
-            result = agent.call_through_drop("server_stop", "stop", grace=grace,
-                                             port_timeout=_STOP_PORT_TIMEOUT_S, gpu_timeout=_STOP_GPU_TIMEOUT_S)
+            result = agent.call_through_drop("server_stop", "stop", **params)
         except AgentError as err:
             on_event(events.Failed("stop", str(err)))
             raise
+    not_ours = result.get("not_ours") or {}
+    if not result.get("stopped") and not_ours.get("kind") == "unmanaged":
+        message = f"{agent.host.name}: {result['message']}"
+        on_event(events.Failed("stop", message))
+        raise PreflightError(message)
     report_stop(result, time.monotonic() - t0, on_event)
     return result
 
@@ -122,6 +150,9 @@ def report_stop(result: dict[str, Any], elapsed: float, on_event: EventSink) -> 
     for text in result.get("warnings", []):
         on_event(events.Warning(text))
     parts = []
+    if result.get("pid") is None:  # nothing ran: only a dead server's leftovers were swept
+        parts.append(f"no server was running; swept {len(result.get('swept', []))} leftover process(es) of "
+                     f"the previous server")
     if "sigterm_to_exit_s" in t:
         parts.append(f"pid {result['pid']} exited after {_secs(t['sigterm_to_exit_s'])}")
     parts.append(f"port free {_secs(t.get('exit_to_port_free_s', 0))} later")
@@ -135,21 +166,34 @@ def _secs(seconds: float) -> str:
     return f"{seconds * 1000:.0f} ms" if seconds < 1 else f"{seconds:.2f} s"
 
 
-def start_server(agent: AgentClient, argv: Sequence[str], env: dict[str, str] | None = None,
-                 release: str | None = None, on_event: EventSink = events.ignore) -> dict[str, Any]:
-    """Start argv detached on the host (own session, log and pidfile in workdir); returns at once."""
-    on_event(events.StepStarted("start", " ".join(argv)))
+def start_server(agent: AgentClient, argv: Sequence[str] | None, env: dict[str, str] | None = None,
+                 release: str | None = None, on_event: EventSink = events.ignore,
+                 baseline_argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Start argv detached on the host (own session, log and pidfile in workdir); returns at once.
+
+    argv None: the launch argv recorded with the release in force, else `baseline_argv` (the configured
+    one); the host decides, under its lock, and the result's "launch" says which.
+    """
+    params: dict[str, Any] = {"env": dict(env or {}), "release": release}
+    if argv is not None:
+        params["argv"] = list(argv)
+        on_event(events.StepStarted("start", " ".join(argv)))
+    else:
+        params["baseline_argv"] = list(baseline_argv or [])
+        on_event(events.StepStarted("start", "with the launch argv of the release in force, else the configured one"))
     t0 = time.monotonic()
     try:
-        result = agent.call_through_drop("server_start", "start", argv=list(argv), env=dict(env or {}),
-                                         release=release)
+        result = agent.call_through_drop("server_start", "start", **params)
     except AgentError as err:
         on_event(events.Failed("start", str(err)))
         raise
+    how = f" with {result['launch']}" if argv is None and result.get("launch") else ""
     if result.get("already_running"):
         on_event(events.StepDone("start", time.monotonic() - t0, f"already running as pid {result['pid']}"))
     else:
-        on_event(events.StepDone("start", time.monotonic() - t0, f"pid {result['pid']}, log {result['log']}"))
+        on_event(events.StepDone("start", time.monotonic() - t0,
+                                 f"pid {result['pid']}{how}: {' '.join(result.get('argv') or [])}, "
+                                 f"log {result['log']}"))
     return result
 
 
@@ -171,14 +215,19 @@ def wait_ready(agent: AgentClient, ready_timeout: float = 900.0,
 
 def restart_server(agent: AgentClient, argv: Sequence[str] | None = None, env: dict[str, str] | None = None,
                    grace: float = 60.0, ready_timeout: float = 900.0,
-                   on_event: EventSink = events.ignore) -> dict[str, Any]:
+                   on_event: EventSink = events.ignore, baseline_argv: Sequence[str] | None = None) -> dict[str, Any]:
     """stop → start → wait as ONE operation on the host (a dropped connection cannot leave it between, and
-    the client follows it through reconnects); argv None reuses the last recorded start."""
+    the client follows it through reconnects).
+
+    argv None: the launch argv of the release in force, else `baseline_argv`, else the last recorded start.
+    """
     on_event(events.StepStarted("stop", f"SIGTERM, drain up to {grace:g} s"))
     t0 = time.monotonic()
     params: dict[str, Any] = {"grace": grace, "ready_timeout": ready_timeout}
     if argv is not None:
         params.update(argv=list(argv), env=dict(env or {}))
+    elif baseline_argv is not None:
+        params.update(baseline_argv=list(baseline_argv))
 
     def relay(event: dict[str, Any], sink: EventSink) -> None:
         nonlocal t0
@@ -189,8 +238,9 @@ def restart_server(agent: AgentClient, argv: Sequence[str] | None = None, env: d
             sink(events.StepStarted("start", "as recorded" if argv is None else " ".join(argv)))
         elif kind == "server_started":
             started = event["result"]
+            how = f" with {started['launch']}" if argv is None and started.get("launch") else ""
             sink(events.StepDone("start", time.monotonic() - t0,
-                                 f"pid {started['pid']}: {' '.join(started.get('argv') or [])}"))
+                                 f"pid {started['pid']}{how}: {' '.join(started.get('argv') or [])}"))
             t0 = time.monotonic()
             sink(events.StepStarted("ready", f"up to {ready_timeout:g} s"))
         elif kind in ("log", "warning"):

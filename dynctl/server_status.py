@@ -35,6 +35,7 @@ def server_section(agent: AgentClient, simulated: bool = False) -> dict[str, Any
         "gen_throughput": snap.gen_throughput, "accept_length": snap.accept_length,
         "token_usage": snap.token_usage, "spec_warning": snap.spec_warning, "metrics_error": snap.metrics_error,
         "gpus": [asdict(g) for g in snap.gpus], "gpu_error": snap.gpu_error,
+        "not_ours": snap.not_ours, "leftovers": list(snap.leftovers),
     }
     return {"server": data, "patch": {"status": patch.status, "detail": patch.detail, "strategy": patch.strategy,
                                       "current_release": patch.current,

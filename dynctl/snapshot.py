@@ -79,6 +79,9 @@ class HostSnapshot:
     spec_warning: str | None = None  # the patch says the threshold cannot act (not armed / never fires)
     sample_ms: float | None = None
     utc_offset: float | None = None
+    # what is on the port or looks like the server but is not ours: named, never claimed (agent's words)
+    not_ours: str | None = None
+    leftovers: tuple[int, ...] = ()  # live processes of our previous server (`dynctl stop` sweeps them)
     # carried from sample to sample, not shown as such
     server_info: dict[str, Any] = field(default_factory=dict, repr=False)
     drain_pid: int | None = None
@@ -102,12 +105,12 @@ def _answering(part: dict[str, Any] | None) -> bool:
 
 
 def _server_state(alive: bool, answering: bool, draining: bool, prev: HostSnapshot | None, same_run: bool) -> str:
-    if draining and (alive or answering):
+    if not alive:  # whatever answers on the port is not our server (the agent names it in not_ours)
+        return "down"
+    if draining:
         return "draining"
     if answering:
         return "ready"
-    if not alive:
-        return "down"
     if prev is not None and same_run and prev.state in ("ready", "unresponsive"):
         return "unresponsive"
     return "starting"
@@ -238,6 +241,8 @@ def build_snapshot(item: dict[str, Any], host: str, prev: HostSnapshot | None = 
         spec_warning=spec_warning if up else None,
         sample_ms=item.get("sample_ms"),
         utc_offset=offset,
+        not_ours=(proc.get("not_ours") or {}).get("text"),
+        leftovers=tuple(proc.get("leftovers") or ()),
         server_info=info,
         drain_pid=drain_pid,
         process_started=started,

@@ -67,6 +67,15 @@ class AgentError(Exception):
         self.extra = extra
 
 
+def outcome(ctx, err):
+    """(kind, message) to report: a pre-flight refusal promises that nothing changed (exit 3), so once
+    something did, the same refusal is a failure (exit 1) and says so."""
+    if err.kind == "preflight" and ctx.changed:
+        return "failed", "%s (but this host had already been changed before that: see %s)" % (
+            err, ctx.path("journal.jsonl"))
+    return err.kind, str(err)
+
+
 class Context:
     """What the client told us about the host, with paths expanded here."""
 
@@ -911,7 +920,8 @@ def run_operation(request_path):
         final = {"ok": True}
         final.update(result or {})
     except AgentError as err:
-        final = {"ok": False, "kind": err.kind, "error": str(err)}
+        kind, message = outcome(ctx, err)
+        final = {"ok": False, "kind": kind, "error": message}
         final.update(err.extra)
     except Exception as err:  # the worker must always leave a final word
         import traceback
@@ -939,6 +949,10 @@ def op_restart(ctx, oplog, **params):
         if kind == "log":
             for line in item.get("lines") or []:
                 oplog.log(line)
+        elif kind == "warning":
+            oplog.emit("warning", text=item.get("text"))
+        elif kind == "waiting":
+            oplog.emit("waiting", seconds=item.get("elapsed"), detail=item.get("detail"))
         else:  # "stopped", "started" (named apart from the worker's own "started")
             oplog.emit("server_" + kind, **{k: v for k, v in item.items() if k not in ("ok", "event")})
     raise AgentError("the restart ended without a verdict", "failed")
@@ -1626,60 +1640,53 @@ def _watch_started(pid):
     return boot + ticks / float(os.sysconf("SC_CLK_TCK"))
 
 
-# The lifecycle section records the server in workdir/server.json ({"pid", "pid_start", "stopping", "release",
-# ...}); a hand-written workdir/server.pid (a bare pid or {"pid": N}) is read when that is absent.
-_WATCH_PIDFILES = ("server.json", "server.pid")
-
-
-def _watch_server_record(ctx):
-    for name in _WATCH_PIDFILES:
-        try:
-            with open(ctx.path(name)) as f:
-                raw = f.read().strip()
-        except OSError:
-            continue
-        try:
-            data = json.loads(raw)
-        except ValueError:
-            return None
-        if not isinstance(data, dict):
-            data = {"pid": data}
-        try:
-            data["pid"] = int(data.get("pid") or 0) or None
-        except (TypeError, ValueError):
-            return None
-        return data if data["pid"] else None
-    return None
-
-
 class _WatchProcess:
-    """Finds the server like SPEC §5 does (pidfile, else port), rescanning the port only every few seconds.
+    """The server as locate_server decides it (ours, not ours, nobody), cheaply enough for every second.
 
-    Lighter than the lifecycle's locate_server, which walks all of /proc: this runs every second.
+    The full decision walks /proc and the port's sockets, so it is taken again only when the pidfile
+    changed, the process it named is gone, or a few seconds have passed; in between, the answer stands.
     """
 
-    PORT_EVERY = 5.0
+    FULL_EVERY = 5.0
 
     def __init__(self, ctx):
         self.ctx = ctx
-        self.port_pid = None
-        self.port_checked = 0.0
+        self.answer, self.key, self.at, self.pid_start = None, None, 0.0, None
+
+    def _pidfile_key(self):
+        try:
+            st = os.stat(self.ctx.path(SERVER_PIDFILE))
+            return (st.st_mtime_ns, st.st_size, st.st_ino)
+        except OSError:
+            return None
 
     def sample(self, now):
-        rec = _watch_server_record(self.ctx) or {}
-        pid = rec.get("pid")
-        if pid is not None and (not pid_alive(pid) or rec.get("pid_start") not in (None, process_start_time(pid))):
-            pid = None  # gone, or a recycled pid
-        if pid is not None:
-            stopping = rec.get("stopping") if not rec.get("stopped") else None
-            return {"pid": pid, "alive": True, "source": "pidfile", "started": _watch_started(pid),
-                    "stopping": stopping, "release": rec.get("release")}
-        if now - self.port_checked >= self.PORT_EVERY or (self.port_pid and not pid_alive(self.port_pid)):
-            pids = listening_pids(self.ctx.port)
-            self.port_pid, self.port_checked = (pids[0] if pids else None), now
-        if self.port_pid and pid_alive(self.port_pid):
-            return {"pid": self.port_pid, "alive": True, "source": "port", "started": _watch_started(self.port_pid)}
-        return {"pid": None, "alive": False, "source": None}
+        key = self._pidfile_key()
+        answer = self.answer
+        if (answer is None or key != self.key or now - self.at >= self.FULL_EVERY
+                or (answer["pid"] is not None and not _lc_same(answer["pid"], self.pid_start))):
+            self.answer, self.key, self.at = self._decide(), key, now
+        return dict(self.answer)
+
+    def _decide(self):
+        ctx = self.ctx
+        loc = locate_server(ctx)
+        server, rec = loc["server"], loc["record"] or {}
+        self.pid_start = server["start"] if server else None
+        if server is None:
+            out = {"pid": None, "alive": False, "source": None}
+        else:
+            from_pidfile = server["source"] == "pidfile"
+            out = {"pid": server["pid"], "alive": True, "source": server["source"],
+                   "started": _watch_started(server["pid"]),
+                   "stopping": rec.get("stopping") if from_pidfile and not rec.get("stopped") else None,
+                   "release": rec.get("release") if from_pidfile else None}
+        not_ours = _lc_not_ours(ctx, loc)
+        if not_ours is not None:
+            out["not_ours"] = {k: not_ours[k] for k in ("kind", "pid", "cmdline", "text")}
+        if loc["leftovers"]:
+            out["leftovers"] = sorted(loc["leftovers"])
+        return out
 
 
 class _WatchLog:
@@ -1906,13 +1913,16 @@ def watch(ctx, interval=1.0, log_lines=50, gpus=True, max_items=None, info_every
             item = {"ok": True, "seq": seq, "t": start, "utc_offset": time.localtime(start).tm_gmtoff,
                     "interval": interval, "port": ctx.port}
             item["process"] = proc.sample(start)
-            item["metrics"] = _watch_metrics(ctx, max(0.05, budget * 0.4))
-            if loads_missing_at is None or start - loads_missing_at >= 60:  # an older sglang: look again now and then
-                item["loads"] = _watch_loads(ctx, max(0.05, start + budget * 0.6 - time.time()))
-                loads_missing_at = start if item["loads"].get("error", "").startswith("HTTP 404") else None
             pid = item["process"]["pid"]
-            if (info_at is None or start - info_at >= info_every or pid != last_pid
-                    or item["metrics"]["ok"] != last_http):
+            if pid is None:  # whatever answers on the port is not our server: its numbers are not ours either
+                item["metrics"] = {"ok": False, "error": "no server of ours on port %d" % ctx.port}
+            else:
+                item["metrics"] = _watch_metrics(ctx, max(0.05, budget * 0.4))
+                if loads_missing_at is None or start - loads_missing_at >= 60:  # an older sglang: now and then
+                    item["loads"] = _watch_loads(ctx, max(0.05, start + budget * 0.6 - time.time()))
+                    loads_missing_at = start if item["loads"].get("error", "").startswith("HTTP 404") else None
+            if pid is not None and (info_at is None or start - info_at >= info_every or pid != last_pid
+                                    or item["metrics"]["ok"] != last_http):
                 item["server_info"] = _watch_server_info(ctx, max(0.05, start + budget - time.time()))
                 info_at = start
             last_pid, last_http = pid, item["metrics"]["ok"]
@@ -2088,8 +2098,11 @@ def _lc_write_pidfile(ctx, record):
     write_json_atomic(ctx.path(SERVER_PIDFILE), record)
 
 
-def _lc_describe(pid):
-    return {"pid": pid, "cmdline": cmdline(pid)}
+def _lc_describe(pid, start=None):
+    out = {"pid": pid, "cmdline": cmdline(pid)}
+    if start is not None:
+        out["start"] = start
+    return out
 
 
 def _lc_is_recorded(pid, rec):
@@ -2121,10 +2134,16 @@ def _lc_leftovers(table, rec):
 
 
 def locate_server(ctx):
-    """Where the managed server is: pidfile, else the launcher listening on the port, else by command line.
+    """The one decision about who runs on our port: ours, not ours (named), or nobody.
+
+    Ours: the pidfile's process (checked against its start time and command line), else the sglang (or
+    configured) launcher listening on the port. Everything else that matters is named, never claimed:
+    "foreign" listeners on the port, and "unmanaged" launchers found only by their command line (not
+    listening, not in our pidfile, without our marker) -- those are refused, never signalled. Status, the
+    watch stream, stop, start, deploy and rollback all read this same answer.
 
     Returns {"server": {...} or None, "record": pidfile, "pidfile": note, "tree": {pid: start},
-    "leftovers": {pid: start} of a previous server, "foreign": [listeners on the port that are not ours]}.
+    "leftovers": {pid: start} of a previous server, "foreign": [pids], "unmanaged": {pid: start}}.
     """
     rec = _lc_pidfile(ctx) or None
     table = _lc_table()
@@ -2151,20 +2170,52 @@ def locate_server(ctx):
                 server = dict(pid=pid, start=live[pid]["start"], sid=live[pid]["sid"], source="port",
                               marker=None, argv=cmdline(pid))
                 break
-    if server is None:
-        found = [p for p in live if p != os.getpid() and _lc_looks_like_server(ctx, cmdline(p))]
-        found = [p for p in found if live[p]["ppid"] not in found]  # the launcher, not its children
-        if found:
-            pid = min(found, key=lambda p: live[p]["start"])
-            server = dict(pid=pid, start=live[pid]["start"], sid=live[pid]["sid"], source="cmdline",
-                          marker=None, argv=cmdline(pid))
     tree = {}
     if server is not None:
         tree = _lc_tree(table, server["pid"], server["start"], server["sid"] == server["pid"], server["marker"])
         leftovers = {p: s for p, s in leftovers.items() if p not in tree}
+    found = [p for p in live if p != os.getpid() and p not in tree and _lc_looks_like_server(ctx, cmdline(p))]
+    found = [p for p in found if live[p]["ppid"] not in found]  # the launcher, not its children
+    unmanaged = {p: live[p]["start"] for p in sorted(found, key=lambda p: live[p]["start"])}
     foreign = [p for p in listeners if p not in tree and p not in leftovers]
     return {"server": server, "record": rec, "pidfile": note, "tree": tree, "leftovers": leftovers,
-            "foreign": foreign}
+            "foreign": foreign, "unmanaged": unmanaged}
+
+
+def _lc_not_ours(ctx, loc):
+    """What stands in our server's way that dynctl will not touch, named for the operator; None if nothing.
+
+    {"kind": "unmanaged" | "foreign" | "hidden", "pid", "start", "cmdline", "text", "hint"}
+    """
+    for pid, start in loc["unmanaged"].items():
+        cmd = cmdline(pid)
+        return {"kind": "unmanaged", "pid": pid, "start": start, "cmdline": cmd,
+                "text": "pid %d (%s) looks like an sglang server for port %d, but dynctl did not start it and it "
+                        "is not listening on the port" % (pid, " ".join(cmd)[:200], ctx.port),
+                "hint": "stop it yourself, or run `dynctl stop --pid %d` to have dynctl stop it" % pid}
+    if loc["foreign"]:  # even next to our running server (another address): the next start would fail
+        pid = loc["foreign"][0]
+        cmd = cmdline(pid)
+        return {"kind": "foreign", "pid": pid, "start": process_start_time(pid), "cmdline": cmd,
+                "text": "port %d is held by pid %d (%s), which dynctl does not manage"
+                        % (ctx.port, pid, " ".join(cmd)[:200]),
+                "hint": "stop it yourself or change the port in the config"}
+    if loc["server"] is None and not loc["leftovers"] and port_in_use(ctx.port):
+        return {"kind": "hidden", "pid": None, "start": None, "cmdline": [],
+                "text": "port %d is in use by a process %s cannot see" % (ctx.port, getpass.getuser()),
+                "hint": "find it with `ss -ltnp` as root"}
+    return None
+
+
+def _lc_preflight(ctx, loc, action):
+    """Refuse `action` before it changes anything when something that is not ours is in the way."""
+    found = _lc_not_ours(ctx, loc)
+    if found is None:
+        return
+    journal(ctx, "%s.refused" % action, reason=found["kind"], pid=found["pid"], cmdline=found["cmdline"][:8])
+    raise AgentError("%s refused: %s; nothing was changed and nothing was killed -- %s"
+                     % (action, found["text"], found["hint"]), "preflight",
+                     not_ours={k: found[k] for k in ("kind", "pid", "start", "cmdline")})
 
 
 def _lc_probe_host(argv):
@@ -2200,10 +2251,13 @@ def find_server(ctx):
     """State of the managed server: down / starting / ready / draining, with pid, uptime and port owner."""
     loc = locate_server(ctx)
     server, rec = loc["server"], loc["record"] or {}
+    not_ours = _lc_not_ours(ctx, loc)
     out = {"state": "down", "pid": None, "source": None, "argv": None, "uptime_s": None, "started": None,
            "release": None, "health": None, "port": ctx.port, "pidfile": loc["pidfile"],
            "log": ctx.path(SERVER_LOG), "port_owner": None,
-           "leftovers": [_lc_describe(p) for p in sorted(loc["leftovers"])]}
+           "leftovers": [_lc_describe(p) for p in sorted(loc["leftovers"])],
+           "unmanaged": [_lc_describe(p, s) for p, s in loc["unmanaged"].items()],
+           "not_ours": not_ours, "in_force": _dp_launch_in_force(ctx)}
     if loc["foreign"]:
         out["port_owner"] = _lc_describe(loc["foreign"][0])
     if server is None:
@@ -2319,22 +2373,75 @@ def _lc_mark_pidfile(ctx, server, **fields):
         _lc_write_pidfile(ctx, rec)
 
 
-def stop_server(ctx, grace=60.0, port_timeout=30.0, gpu_timeout=60.0):
-    """SIGTERM the main pid, SIGKILL after grace, sweep its tree, wait for the port and the GPU to be free."""
+def _lc_operator_pid(ctx, loc, pid, pid_start):
+    """The process the operator named with `stop --pid`, as a server to stop; refuses anything else.
+
+    Only our own server, or a launcher of an sglang server for this port that dynctl did not start
+    (an "unmanaged" one, which a plain stop never signals), may be named; the start time, when given,
+    pins the very process the operator confirmed.
+    """
+    pid = int(pid)
+    st = _lc_stat(pid)
+    if st is None or st["state"] in ("Z", "X"):
+        raise AgentError("pid %d is not running; nothing was signalled" % pid, "preflight")
+    if pid_start is not None and st["start"] != int(pid_start):
+        raise AgentError("pid %d is no longer the process that was confirmed (it was restarted or the pid was "
+                         "reused); nothing was signalled" % pid, "preflight")
+    server = loc["server"]
+    if server is not None and server["pid"] == pid:
+        return server
+    if pid in loc["leftovers"]:
+        return None  # a leftover of our previous server: the ordinary sweep takes it
+    if pid not in loc["unmanaged"]:
+        what = " ".join(cmdline(pid))[:200]
+        raise AgentError("pid %d (%s) is not an sglang server for port %d; dynctl stops only that server, so "
+                         "nothing was signalled" % (pid, what, ctx.port), "preflight")
+    return dict(pid=pid, start=st["start"], sid=st["sid"], source="operator", marker=None, argv=cmdline(pid))
+
+
+def _lc_stop_summary(result):
+    """One line for the stop step of deploy, rollback and restart: what was stopped, or that nothing was."""
+    if not result.get("stopped"):
+        return result.get("message") or "no server was running"
+    swept = result.get("swept") or []
+    if result.get("pid") is None:
+        return "no server was running; swept %d leftover process(es) of the previous server (pids %s)" % (
+            len(swept), ", ".join(str(p["pid"]) for p in swept) or "none")
+    line = "stopped pid %s (found by %s)" % (result["pid"], result.get("source"))
+    if swept:
+        line += "; swept %d leftover process(es) of its tree" % len(swept)
+    return line
+
+
+def stop_server(ctx, grace=60.0, port_timeout=30.0, gpu_timeout=60.0, pid=None, pid_start=None):
+    """SIGTERM the main pid, SIGKILL after grace, sweep its tree, wait for the port and the GPU to be free.
+
+    pid: the operator's explicit choice (`dynctl stop --pid N`), the only way a launcher that dynctl did
+    not start, found by its command line alone, is ever signalled.
+    """
     t0 = time.monotonic()
     loc = locate_server(ctx)
     server, leftovers = loc["server"], dict(loc["leftovers"])
+    if pid is not None:
+        server = _lc_operator_pid(ctx, loc, pid, pid_start)
+        if server is not None and server["source"] == "operator":
+            table = _lc_table()
+            loc["tree"] = _lc_tree(table, server["pid"], server["start"], server["sid"] == server["pid"], None)
+            leftovers = {}
     if server is None and not leftovers:
         rec = loc["record"]
         if rec and not rec.get("stopped"):
             rec["stopped"] = now_iso()
             _lc_write_pidfile(ctx, rec)
+        not_ours = _lc_not_ours(ctx, loc)
         msg = "server already stopped"
-        if loc["foreign"]:
-            msg += "; port %d is held by a process dynctl does not manage (pid %d)" % (ctx.port, loc["foreign"][0])
-        journal(ctx, "stop.noop", port=ctx.port, pidfile=loc["pidfile"])
+        if not_ours:
+            msg += "; %s: left alone -- %s" % (not_ours["text"], not_ours["hint"])
+        journal(ctx, "stop.noop", port=ctx.port, pidfile=loc["pidfile"],
+                not_ours=not_ours and {k: not_ours[k] for k in ("kind", "pid")})
         return {"stopped": False, "message": msg, "pidfile": loc["pidfile"],
-                "port_owner": _lc_describe(loc["foreign"][0]) if loc["foreign"] else None}
+                "port_owner": _lc_describe(loc["foreign"][0]) if loc["foreign"] else None,
+                "not_ours": not_ours}
     ctx.changed = True
     smi = nvidia_smi_path(ctx)
     gpu_before = gpu_compute_pids(smi, server_env(ctx)) if smi else None
@@ -2400,7 +2507,7 @@ def stop_server(ctx, grace=60.0, port_timeout=30.0, gpu_timeout=60.0):
             swept=[d["pid"] for d in out["swept"]])
     out["gpu"] = _lc_wait_gpu_released(ctx, smi, gpu_before, tree, gpu_timeout, t_exit, out)
     rec = _lc_pidfile(ctx)
-    if rec and not rec.get("stopped"):
+    if rec and not rec.get("stopped") and (server is None or server["source"] != "operator"):
         rec["stopped"] = now_iso()
         _lc_write_pidfile(ctx, rec)
     out["timings"]["total_s"] = round(time.monotonic() - t0, 4)
@@ -2461,18 +2568,10 @@ def start_server(ctx, argv, env=None, release=None):
             return {"already_running": True, "pid": server["pid"], "argv": server["argv"], "source": server["source"]}
         raise AgentError("a server is already running on port %d (pid %d, found by %s: %s); stop it first"
                          % (ctx.port, server["pid"], server["source"], " ".join(server["argv"])[:200]), "preflight")
-    if loc["foreign"]:
-        p = loc["foreign"][0]
-        journal(ctx, "start.refused", reason="foreign port owner", pid=p, cmdline=cmdline(p)[:8])
-        raise AgentError("port %d is held by pid %d (%s), which dynctl did not start; nothing was killed -- stop "
-                         "it yourself or change the port in the config" % (ctx.port, p, " ".join(cmdline(p))[:200]),
-                         "preflight", port_owner=_lc_describe(p))
+    _lc_preflight(ctx, loc, "start")
     if loc["leftovers"]:
         raise AgentError("processes of the previous server are still alive (pids %s); run `dynctl stop` first"
                          % ", ".join(map(str, sorted(loc["leftovers"]))), "preflight")
-    if port_in_use(ctx.port):
-        raise AgentError("port %d is in use by a process %s cannot see; nothing was started"
-                         % (ctx.port, getpass.getuser()), "preflight")
     ctx.ensure_workdir()
     log_path = ctx.path(SERVER_LOG)
     _lc_rotate_log(log_path)
@@ -2712,17 +2811,36 @@ def verb_server_find(ctx, **extra):
 
 
 @verb("server_stop")
-def verb_server_stop(ctx, grace=60, port_timeout=30, gpu_timeout=60, **extra):
+def verb_server_stop(ctx, grace=60, port_timeout=30, gpu_timeout=60, pid=None, pid_start=None, **extra):
     _lc_no_extra("server_stop", extra)
     with host_lock(ctx, "stop"), hangup_shield():
-        return stop_server(ctx, float(grace), float(port_timeout), float(gpu_timeout))
+        return stop_server(ctx, float(grace), float(port_timeout), float(gpu_timeout), pid, pid_start)
+
+
+def _lc_resolve_launch(ctx, argv, release, baseline_argv):
+    """(argv, release, how) of a start: the caller's argv, else the one recorded with the release in force
+    (what deploy started, so a start after a stop keeps the threshold), else the configured one."""
+    if argv is not None:
+        return argv, release, "the given launch argv"
+    in_force = _dp_launch_in_force(ctx)
+    if in_force is not None and in_force["argv"]:
+        return in_force["argv"], in_force["release"], "the launch argv of release %s" % in_force["release"]
+    if baseline_argv:
+        why = ("release %s records none" % in_force["release"]) if in_force else "no release in force"
+        return list(baseline_argv), None, "the configured launch argv (%s)" % why
+    return None, release, None
 
 
 @verb("server_start")
-def verb_server_start(ctx, argv=None, env=None, release=None, **extra):
+def verb_server_start(ctx, argv=None, env=None, release=None, baseline_argv=None, **extra):
     _lc_no_extra("server_start", extra)
     with host_lock(ctx, "start"), hangup_shield():
-        return start_server(ctx, argv, env, release)
+        argv, release, how = _lc_resolve_launch(ctx, argv, release, baseline_argv)
+        if argv is None:
+            raise AgentError("start: no argv given, no release in force and no configured launch", "usage")
+        result = start_server(ctx, argv, env, release)
+        result["launch"] = how
+        return result
 
 
 def _lc_raise_failed(items):
@@ -2742,21 +2860,32 @@ def verb_server_wait_ready(ctx, ready_timeout=900, generate=True, **extra):
 
 
 @verb("server_restart", stream=True)
-def verb_server_restart(ctx, argv=None, env=None, release=None, grace=60, ready_timeout=900, **extra):
+def verb_server_restart(ctx, argv=None, env=None, release=None, grace=60, ready_timeout=900, baseline_argv=None,
+                        **extra):
     """stop → start → wait_ready in one agent process, so a dropped connection cannot leave it between."""
     _lc_no_extra("server_restart", extra)
     with host_lock(ctx, "restart"):
         with hangup_shield():
+            rec = _lc_pidfile(ctx) or {}
+            argv, release, how = _lc_resolve_launch(ctx, argv, release, baseline_argv)
             if argv is None:  # the last start, as recorded (the pidfile is 0600: env values may be secret)
-                rec = _lc_pidfile(ctx) or {}
-                argv = rec.get("argv")
-                env = rec.get("env") if env is None else env
+                argv, how = rec.get("argv"), "the launch argv of the last start"
                 release = rec.get("release") if release is None else release
                 if not argv:
                     raise AgentError("restart: no argv given and no previous start recorded in %s" % ctx.workdir,
                                      "usage")
+            if env is None and rec.get("argv") == argv:
+                env = rec.get("env")
+            _lc_preflight(ctx, locate_server(ctx), "restart")
             stopped = stop_server(ctx, float(grace))
-            started = start_server(ctx, argv, env, release)
+            try:
+                started = start_server(ctx, argv, env, release)
+            except AgentError as err:
+                if not ctx.changed:
+                    raise
+                raise AgentError("restart: %s, but the new server was not started: %s"
+                                 % (_lc_stop_summary(stopped), err), "failed", **err.extra)
+            started["launch"] = how
         yield {"ok": True, "event": "stopped", "result": stopped}
         yield {"ok": True, "event": "started", "result": started}
         for item in _lc_raise_failed(wait_ready(ctx, float(ready_timeout))):
@@ -3532,25 +3661,75 @@ def _dp_rollback_target(ctx, to, manifests):
                      "nothing was changed" % (text, ctx.name, in_force), "usage")
 
 
-def _dp_previous_argv(ctx, baseline_argv):
+def _dp_launch_in_force(ctx):
+    """{"release": id, "argv": its recorded launch argv or None} of the release in force, or None."""
     current = _pt_current(ctx)
-    if current is None:
+    if current is None or not _PT_ID.match(current):
+        return None
+    manifest = _read_json(os.path.join(_pt_releases_dir(ctx), current, "manifest.json")) or {}
+    return {"release": current, "argv": manifest.get("launch_argv")}
+
+
+def _dp_previous_argv(ctx, baseline_argv):
+    in_force = _dp_launch_in_force(ctx)
+    if in_force is None:
         return None, baseline_argv
-    manifest = next((m for m in _pt_manifests(ctx) if m["id"] == current), {})
-    return current, manifest.get("launch_argv") or baseline_argv
+    return in_force["release"], in_force["argv"] or baseline_argv
+
+
+DEFAULT_SOAK_S = 5.0
+
+
+def _dp_soak(ctx, oplog, seconds, poll=0.05):
+    """Keep watching a server that just became ready: dying within `seconds` fails the operation.
+
+    A server that crashes a few seconds after its first good /generate (a scheduler that hits a bad
+    kernel on its second batch, say) must not be reported as deployed.
+    """
+    seconds = float(seconds or 0)
+    rec = _lc_pidfile(ctx) or {}
+    if seconds <= 0 or not rec.get("pid"):
+        return {"soak_s": 0.0}
+    pid, start = int(rec["pid"]), rec.get("pid_start")
+    log_path, since = rec.get("log") or ctx.path(SERVER_LOG), int(rec.get("log_offset") or 0)
+    host = _lc_probe_host(rec.get("argv"))
+    with oplog.step("soak", "watching pid %d for %gs after it became ready" % (pid, seconds)):
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < seconds:
+            status = _lc_reap(pid)
+            if status is not None or not _lc_same(pid, start):
+                after = time.monotonic() - t0
+                code = "" if status is None else " with code %d" % status
+                journal(ctx, "soak.crash", pid=pid, after_s=round(after, 3), exit_code=status)
+                raise AgentError("the server (pid %d) exited%s %.1fs after it became ready (soak of %gs)"
+                                 % (pid, code, after, seconds), "failed", reason="crash",
+                                 log_tail=_lc_log_tail(log_path, 40, since=since))
+            time.sleep(poll)
+        # alive is not enough: it must still answer (a few tries, so one slow answer under load is no failure)
+        health = None
+        for _ in range(4):
+            health = _lc_health(host, ctx.port)
+            if health == 200 or not _lc_same(pid, start):
+                break
+            time.sleep(0.5)
+        if health != 200:
+            journal(ctx, "soak.unhealthy", pid=pid, health=health)
+            raise AgentError("the server (pid %d) %s at the end of the %gs soak"
+                             % (pid, "exited" if not _lc_same(pid, start) else
+                                "stopped answering /health (last answer: %s)" % health, seconds),
+                             "failed", reason="soak", log_tail=_lc_log_tail(log_path, 40, since=since))
+    journal(ctx, "soak.ok", pid=pid, seconds=seconds)
+    return {"soak_s": seconds}
 
 
 @operation("deploy")
 def op_deploy(ctx, oplog, files, sglang_version, strategy, threshold, launch_argv, baseline_argv,
-              artifacts=None, grace=60, ready_timeout=900, **_):
+              artifacts=None, grace=60, ready_timeout=900, soak=DEFAULT_SOAK_S, **_):
+    loc = locate_server(ctx)
+    _lc_preflight(ctx, loc, "deploy")
     _dp_recover(ctx, oplog)
     previous, previous_argv = _dp_previous_argv(ctx, baseline_argv)
-    loc = locate_server(ctx)
     running = loc["server"]
-    if running is None and loc["foreign"]:
-        pid = loc["foreign"][0]
-        raise AgentError("port %d is held by pid %d (%s), which dynctl does not manage; nothing was changed "
-                         "and nothing was killed" % (ctx.port, pid, " ".join(cmdline(pid))[:200]), "preflight")
     with oplog.step("switch", "validate with %s, back up, swap %d file(s)" % (ctx.python, len(files))):
         applied = apply_release(ctx, files, sglang_version, strategy=strategy, threshold=threshold,
                                 launch_argv=launch_argv, artifacts=artifacts)
@@ -3560,14 +3739,15 @@ def op_deploy(ctx, oplog, files, sglang_version, strategy, threshold, launch_arg
     try:
         with oplog.step("stop", "SIGTERM, drain up to %ss, then SIGKILL" % grace):
             stopped = stop_server(ctx, grace=grace)
-            oplog.emit("info", text=stopped.get("message") or "stopped pid %s" % stopped.get("pid"))
+            oplog.emit("info", text=_lc_stop_summary(stopped))
         ready = _dp_gate(ctx, oplog, argv, release, ready_timeout)
         verified = _dp_verify(ctx, oplog, strategy, threshold)
+        verified.update(_dp_soak(ctx, oplog, soak))
     except AgentError as err:
         oplog.warn("deploy failed: %s" % err)
         target = previous or BASELINE
         rolled = _dp_roll_back_after_failure(ctx, oplog, release, previous_argv, running is not None,
-                                             grace, ready_timeout)
+                                             grace, ready_timeout, soak)
         raise AgentError("deploy of release %s failed: %s; %s" % (release, err, rolled), "failed",
                          rolled_back_to=target, failed_release=release,
                          log_tail=err.extra.get("log_tail") or [])
@@ -3578,22 +3758,26 @@ def op_deploy(ctx, oplog, files, sglang_version, strategy, threshold, launch_arg
     return result
 
 
-def _dp_roll_back_after_failure(ctx, oplog, release, previous_argv, was_running, grace, ready_timeout):
+def _dp_roll_back_after_failure(ctx, oplog, release, previous_argv, was_running, grace, ready_timeout, soak=0):
     with oplog.step("rollback", "restoring the previous release"):
-        stop_server(ctx, grace=min(grace, 30))
+        stopped = stop_server(ctx, grace=min(grace, 30))
+        oplog.emit("info", text=_lc_stop_summary(stopped))
         revert_release(ctx, release)
     if not was_running:
         return "rolled back to the previous release (the server was not running before; left stopped)"
     try:
         _dp_gate(ctx, oplog, previous_argv, _pt_current(ctx), ready_timeout)
+        _dp_soak(ctx, oplog, min(float(soak or 0), DEFAULT_SOAK_S))  # it served before: a short look will do
     except AgentError as err:
         return "rolled back the files, but the previous server did not come back: %s" % err
     return "rolled back to %s, which is serving again" % (_pt_current(ctx) or BASELINE)
 
 
 @operation("rollback")
-def op_rollback(ctx, oplog, baseline_argv, to=None, grace=60, ready_timeout=900, **_):
+def op_rollback(ctx, oplog, baseline_argv, to=None, grace=60, ready_timeout=900, soak=DEFAULT_SOAK_S, **_):
     chosen = _dp_rollback_target(ctx, to, _pt_manifests(ctx))
+    loc = locate_server(ctx)
+    _lc_preflight(ctx, loc, "rollback")
     recovered = _dp_recover(ctx, oplog)
     applied = [m for m in _pt_manifests(ctx) if m.get("state") == "applied"]  # newest first
     current = applied[0]["id"] if applied else None
@@ -3610,26 +3794,45 @@ def op_rollback(ctx, oplog, baseline_argv, to=None, grace=60, ready_timeout=900,
     newer = [m for m in applied if target == BASELINE or m["seq"] > int(target.split("-")[0])]
     manifest = next((m for m in applied if m["id"] == target), None)
     argv = (manifest or {}).get("launch_argv") or baseline_argv
-    loc = locate_server(ctx)
     healthy = loc["server"] is not None and _lc_health("127.0.0.1", ctx.port) == 200
     if not newer and healthy and _lc_argv_matches(loc["server"]["argv"], argv):
         _dp_set_state(ctx, last="rollback", target=target)
         return {"target": target, "changed": False, "message": "already on %s and serving" % target}
-    with oplog.step("stop", "SIGTERM, drain up to %ss, then SIGKILL" % grace):
-        stop_server(ctx, grace=grace)
-    for m in newer:
-        with oplog.step("revert", "release %s" % m["id"]):
-            revert_release(ctx, m["id"])
-    ready = _dp_gate(ctx, oplog, argv, None if target == BASELINE else target, ready_timeout)
+    done = []
+    try:
+        with oplog.step("stop", "SIGTERM, drain up to %ss, then SIGKILL" % grace):
+            stopped = stop_server(ctx, grace=grace)
+            oplog.emit("info", text=_lc_stop_summary(stopped))
+            if stopped.get("stopped"):
+                done.append("stopped the server")
+        for m in newer:
+            with oplog.step("revert", "release %s" % m["id"]):
+                revert_release(ctx, m["id"])
+            done.append("reverted %s" % m["id"])
+        ready = _dp_gate(ctx, oplog, argv, None if target == BASELINE else target, ready_timeout)
+        soaked = _dp_soak(ctx, oplog, soak)
+    except AgentError as err:
+        if not ctx.changed:
+            raise
+        # the host did change: say how far the rollback got, and never call it a pre-flight refusal
+        raise AgentError("rollback to %s failed: %s%s" % (target, err, " (done before that: %s)" % ", ".join(done)
+                                                           if done else ""),
+                         "failed", target=target, log_tail=err.extra.get("log_tail") or [],
+                         reason=err.extra.get("reason"))
     _dp_set_state(ctx, last="rollback", target=target)
     return {"target": target, "changed": True, "reverted": [m["id"] for m in newer], "argv": argv,
-            "pid": ready.get("pid")}
+            "pid": ready.get("pid"), "soak_s": soaked.get("soak_s")}
 
 
 @verb("deploy_context")
 def deploy_context(ctx, files=(), **_):
-    """Everything a deploy plan needs in one round trip: lock holder, patch files, server info."""
-    return {"holder": _lock_holder(ctx), "patch": patch_read(ctx, files=files), "info": server_info(ctx)}
+    """Everything a deploy plan needs in one round trip: lock holder, patch files, server info (of our
+    server only), and what is in the way that is not ours (the deploy itself will refuse it)."""
+    loc = locate_server(ctx)
+    not_ours = _lc_not_ours(ctx, loc)
+    return {"holder": _lock_holder(ctx), "patch": patch_read(ctx, files=files),
+            "info": server_info(ctx) if loc["server"] is not None else None,
+            "not_ours": not_ours and not_ours["text"]}
 
 
 @verb("server_info")
@@ -3678,7 +3881,8 @@ def main():
             result = fn(ctx, **params)
             _answer({"ok": True, "changed": ctx.changed, "result": result})
     except AgentError as err:
-        answer = {"ok": False, "kind": err.kind, "error": str(err), "changed": bool(ctx and ctx.changed)}
+        kind, message = outcome(ctx, err) if ctx is not None else (err.kind, str(err))
+        answer = {"ok": False, "kind": kind, "error": message, "changed": bool(ctx and ctx.changed)}
         answer.update(err.extra)
         if name in STREAM_VERBS:
             answer["done"] = True

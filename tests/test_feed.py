@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import threading
@@ -20,7 +19,7 @@ from dynctl.transport.local import Local
 from dynctl.feed import LiveFeed
 from dynctl.snapshot import HostHistory, HostSnapshot
 from lifecycle_harness import wait_for as wait_until
-from watch_server import SglangLikeServer
+from watch_server import SglangLikeServer, record_as_server
 
 
 class Recorder:
@@ -71,7 +70,7 @@ def server() -> Iterator[SglangLikeServer]:
 def make_feed(tmp_path: Path, port: int, rec: Recorder, **kw: Any) -> tuple[LiveFeed, Path]:
     workdir = tmp_path / "work"
     workdir.mkdir(exist_ok=True)
-    (workdir / "server.pid").write_text(str(os.getpid()))
+    record_as_server(workdir)  # this process serves the HTTP
     host = HostConfig(name="box", python=kw.pop("python", sys.executable), workdir=str(workdir), port=port)
     if host.python == sys.executable:  # see test_watch_agent.client: keep the upload race out of these tests
         AgentClient(Local(), host).upload()

@@ -21,7 +21,7 @@ from dynctl.snapshot import build_snapshot
 from dynctl.transport.local import Local
 from watch_items import decode_line, log_stamp, transition_line
 from lifecycle_harness import wait_for
-from watch_server import SglangLikeServer, install_fake_nvidia_smi, path_with
+from watch_server import SglangLikeServer, install_fake_nvidia_smi, path_with, record_as_server
 
 
 def first(stream: Iterator[dict[str, Any]], check: Callable[[dict[str, Any]], Any], timeout: float = 10.0,
@@ -66,7 +66,7 @@ def append(path: Path, *lines: str) -> None:
 
 
 def test_first_item_has_metrics_info_process_and_log_backlog(server: SglangLikeServer, workdir: Path) -> None:
-    (workdir / "server.pid").write_text(json.dumps({"pid": os.getpid(), "started": "whenever"}))
+    record_as_server(workdir)  # this process serves the HTTP, as if `dynctl start` had started it
     old = [decode_line(time.time() - 60 + i, 2, 190.0) for i in range(30)]
     switch = transition_line(time.time() - 5, False, 7, 5)
     append(workdir / "server.log", *old, switch)
@@ -95,7 +95,7 @@ def test_first_item_has_metrics_info_process_and_log_backlog(server: SglangLikeS
 
 
 def test_a_change_on_the_server_reaches_the_stream_and_the_snapshot(server: SglangLikeServer, workdir: Path) -> None:
-    (workdir / "server.pid").write_text(f"{os.getpid()}\n")  # a bare pid works too
+    record_as_server(workdir)
     log = workdir / "server.log"
     log.write_text("")
     stream = client(workdir, server.port).stream("watch", interval=0.2, log_lines=50)
@@ -124,12 +124,19 @@ def test_a_change_on_the_server_reaches_the_stream_and_the_snapshot(server: Sgla
         stream.close()
 
 
-def test_pidfile_missing_falls_back_to_the_listening_port(server: SglangLikeServer, workdir: Path) -> None:
+def test_a_listener_that_is_not_an_sglang_launch_is_named_never_called_the_server(
+        server: SglangLikeServer, workdir: Path) -> None:
+    """Without our pidfile, a listener counts as the server only when it runs sglang's (or the configured)
+    launcher, as `dynctl stop` and `deploy` decide; this one (pytest) is foreign, and its HTTP is not read."""
+    before = len(server.requests)
     item = next(client(workdir, server.port).stream("watch", interval=0.2, max_items=1))
-    assert item["process"]["pid"] == os.getpid() and item["process"]["source"] == "port"
-    (workdir / "server.pid").write_text("not a pid")
-    item = next(client(workdir, server.port).stream("watch", interval=0.2, max_items=1))
-    assert item["process"]["source"] == "port"
+    assert item["process"]["pid"] is None and item["process"]["source"] is None
+    assert item["process"]["not_ours"]["kind"] == "foreign" and item["process"]["not_ours"]["pid"] == os.getpid()
+    assert f"port {server.port} is held by pid {os.getpid()}" in item["process"]["not_ours"]["text"]
+    assert len(server.requests) == before  # not ours: no /metrics, no /server_info
+    snap = build_snapshot(item, "box")
+    assert snap.state == "down" and snap.pid is None and snap.threshold is None
+    assert snap.not_ours and f"pid {os.getpid()}" in snap.not_ours
 
 
 def test_nothing_there_is_down_not_an_error(workdir: Path) -> None:
@@ -144,7 +151,7 @@ def test_nothing_there_is_down_not_an_error(workdir: Path) -> None:
 
 def test_metrics_off_still_counts_as_answering(server: SglangLikeServer, workdir: Path) -> None:
     server.state["metrics_status"] = 404  # a server started without --enable-metrics
-    (workdir / "server.pid").write_text(str(os.getpid()))
+    record_as_server(workdir)
     item = next(client(workdir, server.port).stream("watch", interval=0.2, max_items=1))
     assert item["metrics"] == {"ok": False, "error": "HTTP 404"}
     assert build_snapshot(item, "box").state == "ready"
@@ -152,6 +159,7 @@ def test_metrics_off_still_counts_as_answering(server: SglangLikeServer, workdir
 
 def test_a_hung_server_never_blocks_the_stream(server: SglangLikeServer, workdir: Path) -> None:
     server.state["metrics_delay"] = 3.0
+    record_as_server(workdir)
     stream = client(workdir, server.port).stream("watch", interval=0.3, max_items=4)
     t0 = time.monotonic()
     arrivals = []
@@ -247,14 +255,8 @@ def test_real_nvidia_smi(server: SglangLikeServer, workdir: Path) -> None:
         stream.close()
 
 
-def _start_ticks(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[19])
-
-
 def test_lifecycle_record_release_and_drain(server: SglangLikeServer, workdir: Path) -> None:
-    record = {"pid": os.getpid(), "pid_start": _start_ticks(os.getpid()), "release": "0002-20261129T120000Z"}
-    (workdir / "server.json").write_text(json.dumps(record))
+    record = record_as_server(workdir, release="0002-20261129T120000Z")
     (workdir / "current").write_text("0002-20261129T120000Z\n")
     rel = workdir / "releases" / "0002-20261129T120000Z"
     rel.mkdir(parents=True)
@@ -269,14 +271,15 @@ def test_lifecycle_record_release_and_drain(server: SglangLikeServer, workdir: P
     (workdir / "server.json").write_text(json.dumps(dict(record, stopping="2026-11-29T12:00:00Z")))
     item = next(client(workdir, server.port).stream("watch", interval=0.2, max_items=1))
     assert build_snapshot(item, "box", snap).state == "draining"
-    # a record whose pid was recycled is not believed: the port tells who serves
+    # a record whose pid was recycled is not believed, and the listener (pytest, no sglang launch) is not ours
     (workdir / "server.json").write_text(json.dumps(dict(record, pid_start=record["pid_start"] + 1)))
     item = next(client(workdir, server.port).stream("watch", interval=0.2, max_items=1))
-    assert item["process"]["source"] == "port"
+    assert item["process"]["pid"] is None and item["process"]["not_ours"]["kind"] == "foreign"
+    assert build_snapshot(item, "box", snap).state == "down"
 
 
 def test_sigterm_drain_in_the_log_is_draining(server: SglangLikeServer, workdir: Path) -> None:
-    (workdir / "server.pid").write_text(str(os.getpid()))
+    record_as_server(workdir)
     log = workdir / "server.log"
     log.write_text("")
     stream = client(workdir, server.port).stream("watch", interval=0.15)
@@ -294,7 +297,7 @@ def test_sigterm_drain_in_the_log_is_draining(server: SglangLikeServer, workdir:
 
 def test_live_loads_beat_stale_gauges_and_idle_means_the_next_request(server: SglangLikeServer,
                                                                       workdir: Path) -> None:
-    (workdir / "server.pid").write_text(str(os.getpid()))
+    record_as_server(workdir)
     # a burst of 12 was aborted at once: the gauges still say 12 running and speculation off
     server.state.update(running=12, spec=False, loads=(12, 0))
     stream = client(workdir, server.port).stream("watch", interval=0.15)

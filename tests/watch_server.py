@@ -108,6 +108,19 @@ class SglangLikeServer:
         self.httpd.server_close()
 
 
+def record_as_server(workdir: Path, pid: int | None = None, **extra: Any) -> dict[str, Any]:
+    """Write workdir/server.json the way `dynctl start` does for `pid` (default: this process, which serves
+    the HTTP), so the agent decides the listener is ours; returns the record."""
+    pid = os.getpid() if pid is None else pid
+    with open(f"/proc/{pid}/stat") as f:
+        start = int(f.read().rsplit(")", 1)[1].split()[19])
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        argv = [a.decode() for a in f.read().split(b"\0") if a]
+    record = {"pid": pid, "pid_start": start, "argv": argv, "marker": None, **extra}
+    (workdir / "server.json").write_text(json.dumps(record))
+    return record
+
+
 # Prints what `nvidia-smi --query-gpu=<fields> --format=csv,noheader,nounits -lms N` prints: one
 # line per GPU per period in index order (as measured on an H200 with
 # driver 580.159.04). Values come from a JSON file the test rewrites; its pid goes to `<state>.pid`.

@@ -28,6 +28,10 @@ from dynctl.cli.ops import outcome_line
 from dynctl.patching import parse_threshold
 from dynctl.transport import sh_join
 
+SoakOpt = typer.Option(core.DEFAULT_SOAK_S, "--soak", min=0,
+                       help="Seconds to keep watching the new server after it is ready; a crash in that time "
+                            "fails the operation (a deploy rolls back). 0: no soak.")
+
 
 def register(app: typer.Typer) -> None:
     app.command("deploy")(deploy)
@@ -45,10 +49,11 @@ def deploy(
     yes: bool = YesOpt,
     grace: float = GraceOpt,
     ready_timeout: float = ReadyTimeoutOpt,
+    soak: float = SoakOpt,
     as_json: bool = JsonOpt,
     verbose: bool = VerboseOpt,
 ) -> None:
-    """Inspect, validate with the server's own interpreter, back up, switch, restart, health-gate; roll back on failure."""
+    """Inspect, validate with the server's own interpreter, back up, switch, restart, health-gate, soak; roll back on failure."""
     parse_threshold(threshold, "--threshold")  # a typo is named before any host is contacted
     session = open_host(host, config)
     t0 = time.monotonic()
@@ -75,7 +80,8 @@ def deploy(
         return
     confirm(f"Deploy threshold {plan.threshold} to {session.host.name} ({session.host.route}), restarting its server?",
             yes)
-    result = core.deploy(session.agent, plan, EventPrinter(quiet=as_json, verbose=verbose), grace=grace, ready_timeout=ready_timeout)
+    result = core.deploy(session.agent, plan, EventPrinter(quiet=as_json, verbose=verbose), grace=grace,
+                         ready_timeout=ready_timeout, soak=soak)
     elapsed = time.monotonic() - t0
     if as_json:
         console.print_json(json.dumps(dict(result, elapsed=elapsed, round_trips=session.agent.round_trips), default=str))
@@ -93,6 +99,7 @@ def rollback(
     yes: bool = YesOpt,
     grace: float = GraceOpt,
     ready_timeout: float = ReadyTimeoutOpt,
+    soak: float = SoakOpt,
     as_json: bool = JsonOpt,
     verbose: bool = VerboseOpt,
 ) -> None:
@@ -100,7 +107,7 @@ def rollback(
     session = open_host(host, config)
     confirm(f"Roll {session.host.name} back to {to or 'the previous release'}, restarting its server?", yes)
     result = core.rollback(session.agent, session.host, to, EventPrinter(quiet=as_json, verbose=verbose), grace=grace,
-                           ready_timeout=ready_timeout)
+                           ready_timeout=ready_timeout, soak=soak)
     if as_json:
         console.print_json(json.dumps(result, default=str))
         return

@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from dynctl.cli.common import ConfigOpt, HostOpt, JsonOpt, console, handle_errors, open_host
@@ -121,6 +122,11 @@ def render_server(patch: dict[str, Any], server: dict[str, Any]) -> None:
     if server.get("operation"):
         line += f"  [yellow]{server['operation']}[/]"
     table.add_row("server", line)
+    if server.get("leftovers"):
+        table.add_row("", f"[yellow]leftovers of the previous server: pids "
+                          f"{', '.join(map(str, server['leftovers']))}[/]  [dim](`dynctl stop` sweeps them)[/]")
+    if server.get("not_ours"):
+        table.add_row("", f"[yellow]not ours:[/] {escape(server['not_ours'])}  [dim](dynctl leaves it alone)[/]")
     table.add_row("threshold", _fmt(server.get("threshold")))
     table.add_row("batch size", f"{_fmt(server.get('batch_size'))} running, {_fmt(server.get('queue'))} queued")
     spec = server.get("speculation")

@@ -22,6 +22,7 @@ from dynctl.cli.common import (
     handle_errors,
     open_host,
 )
+from dynctl.errors import PreflightError
 
 GraceOpt = typer.Option(60.0, "--grace", min=0, help="Seconds the server may drain after SIGTERM before SIGKILL.")
 ReadyTimeoutOpt = typer.Option(900.0, "--ready-timeout", min=1,
@@ -43,7 +44,7 @@ class EventPrinter:
 
     # Server log lines worth a line of their own without --verbose; the rest scroll by in the journal.
     NOTABLE = re.compile(r"Traceback|Error|error:|WARNING|fired up and ready|Speculation (en|dis)abled|not armed"
-                         r"|never fires|release |server pid|stopped|Uvicorn running")
+                         r"|never fires|release |server pid|stopped|swept |Uvicorn running")
 
     def __init__(self, quiet: bool = False, verbose: bool = False) -> None:
         self.quiet = quiet
@@ -85,6 +86,9 @@ def stop(
     host: str = HostOpt,
     config: str = ConfigOpt,
     grace: float = GraceOpt,
+    pid: int = typer.Option(None, "--pid", min=1,
+                            help="Stop this process although dynctl did not start it: an sglang server for this "
+                                 "host's port that dynctl found only by its command line (asks first)."),
     yes: bool = YesOpt,
     as_json: bool = JsonOpt,
     verbose: bool = VerboseOpt,
@@ -92,19 +96,50 @@ def stop(
     """Stop the server: SIGTERM, drain, SIGKILL after --grace, sweep its processes, wait for port and GPU."""
     session = open_host(host, config)
     state = lifecycle.find_server(session.agent)
+    printer = EventPrinter(quiet=as_json, verbose=verbose)
+    if pid is not None:
+        target = _named_process(state, pid)
+        confirm(f"Stop pid {pid} on {session.host.name} ({_cmd(target)}), which dynctl "
+                f"{'started' if pid == state.pid and state.source == 'pidfile' else 'did not start'}?", yes)
+        result = lifecycle.stop_server(session.agent, grace, on_event=printer, pid=pid, pid_start=target.get("start"))
+        if as_json:
+            _print_json(result)
+        return
     if state.pid is None and not state.leftovers:
-        note = f"; port {state.port} is held by pid {state.port_owner['pid']}, which dynctl does not manage" \
-            if state.port_owner else ""
+        not_ours = state.not_ours or {}
+        if not_ours.get("kind") == "unmanaged":  # it looks like the server: refuse, name it, say how to override
+            raise PreflightError(f"{session.host.name}: no server started by dynctl is running, and {not_ours['text']}: "
+                                 f"nothing was signalled -- {not_ours.get('hint', '')}")
+        note = f"; {not_ours['text']} (left alone)" if not_ours else ""
         if as_json:
             _print_json({"stopped": False, "message": "server already stopped" + note})
         else:
-            console.print(f"server on {session.host.name} is already stopped{note}")
+            console.print(f"server on {session.host.name} is already stopped{escape(note)}")
         return
     what = f"pid {state.pid}" if state.pid else f"{len(state.leftovers)} leftover process(es) of the old server"
     confirm(f"Stop the server on {session.host.name} ({what})?", yes)
-    result = lifecycle.stop_server(session.agent, grace, on_event=EventPrinter(quiet=as_json, verbose=verbose))
+    result = lifecycle.stop_server(session.agent, grace, on_event=printer)
     if as_json:
         _print_json(result)
+
+
+def _cmd(proc: dict[str, Any]) -> str:
+    return " ".join(" ".join(proc.get("cmdline") or []).split())[:120] or "?"
+
+
+def _named_process(state: lifecycle.ServerState, pid: int) -> dict[str, Any]:
+    """The process `--pid` names, as the host described it; only the server, its leftovers or an sglang
+    launcher for this port that dynctl did not start qualify."""
+    if pid == state.pid:
+        return {"pid": pid, "cmdline": list(state.argv)}
+    for proc in (*state.unmanaged, *state.leftovers):
+        if proc.get("pid") == pid:
+            return proc
+    known = [f"{p['pid']} ({_cmd(p)})" for p in state.unmanaged]
+    if state.pid is not None:
+        known.insert(0, f"{state.pid} (the server)")
+    raise PreflightError(f"pid {pid} is not an sglang server for port {state.port} on this host "
+                         f"(candidates: {', '.join(known) or 'none'}); nothing was signalled")
 
 
 @handle_errors
@@ -116,16 +151,17 @@ def start(
     as_json: bool = JsonOpt,
     verbose: bool = VerboseOpt,
 ) -> None:
-    """Start the server detached with the configured launch argv, then wait until it serves."""
+    """Start the server detached with the launch argv of the release in force (else the configured one)."""
     session = open_host(host, config)
-    argv = lifecycle.server_argv(session.host)
     state = lifecycle.find_server(session.agent)
     if state.pid is not None:
         console.print(f"server on {session.host.name} is already running: {_describe(state)}")
         return
-    confirm(f"Start the server on {session.host.name}: {' '.join(argv)}?", yes)
+    argv, how = lifecycle.launch_in_force(state, session.host)
+    confirm(f"Start the server on {session.host.name} with {how}: {' '.join(argv)}?", yes)
     printer = EventPrinter(quiet=as_json, verbose=verbose)
-    started = lifecycle.start_server(session.agent, argv, on_event=printer)
+    started = lifecycle.start_server(session.agent, None, on_event=printer,
+                                     baseline_argv=lifecycle.server_argv(session.host))
     ready = lifecycle.wait_ready(session.agent, ready_timeout, on_event=printer)
     if as_json:
         _print_json({"started": started, "ready": ready})
@@ -141,16 +177,15 @@ def restart(
     as_json: bool = JsonOpt,
     verbose: bool = VerboseOpt,
 ) -> None:
-    """Stop and start again with the same arguments, in one step on the host."""
+    """Stop and start again, in one step on the host, with the launch argv of the release in force (else the
+    configured one)."""
     session = open_host(host, config)
     state = lifecycle.find_server(session.agent)
-    # A server dynctl started restarts exactly as recorded (a deployed threshold included); any other
-    # server comes back with the configured launch argv.
-    argv = None if state.source == "pidfile" else lifecycle.server_argv(session.host)
-    shown = " ".join(state.argv) if argv is None else " ".join(argv)
-    confirm(f"Restart the server on {session.host.name} ({_describe(state)}) as: {shown}?", yes)
-    ready = lifecycle.restart_server(session.agent, argv, grace=grace, ready_timeout=ready_timeout,
-                                     on_event=EventPrinter(quiet=as_json, verbose=verbose))
+    argv, how = lifecycle.launch_in_force(state, session.host)
+    confirm(f"Restart the server on {session.host.name} ({_describe(state)}) with {how}: {' '.join(argv)}?", yes)
+    ready = lifecycle.restart_server(session.agent, None, grace=grace, ready_timeout=ready_timeout,
+                                     on_event=EventPrinter(quiet=as_json, verbose=verbose),
+                                     baseline_argv=lifecycle.server_argv(session.host))
     if as_json:
         _print_json(ready)
 

@@ -20,14 +20,16 @@ app = typer.Typer(help="Operations on the host: follow one to its end, list rece
 
 def outcome_line(host: str, kind: str | None, result: dict[str, Any]) -> str:
     """One line for an operation that succeeded, as the command that started it would have printed it."""
+    soaked = f", still serving {result['soak_s']:g} s after ready" if result.get("soak_s") else ""
     if kind == "deploy":
         return (f"[bold green]deployed[/] release {result.get('release')} on {escape(host)}: threshold "
-                f"{result.get('threshold_in_force')} in force (read back from /server_info), pid {result.get('pid')}")
+                f"{result.get('threshold_in_force')} in force (read back from /server_info), pid {result.get('pid')}"
+                f"{soaked}")
     if kind == "rollback":
         if result.get("changed") is False:
             return f"[green]✓[/] {escape(result.get('message') or 'nothing to do')}"
         return (f"[bold green]rolled back[/] {escape(host)} to {result.get('target')} "
-                f"(reverted: {', '.join(result.get('reverted') or []) or 'none'}), pid {result.get('pid')}")
+                f"(reverted: {', '.join(result.get('reverted') or []) or 'none'}), pid {result.get('pid')}{soaked}")
     if kind == "restart":
         return f"[bold green]restarted[/] the server on {escape(host)}: pid {result.get('pid')} ready"
     return f"[bold green]done[/]: {kind or 'operation'} on {escape(host)}"

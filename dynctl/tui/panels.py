@@ -101,7 +101,8 @@ def render_hosts(hosts: Sequence[str], current: str, latest: Mapping[str, HostSn
 
 
 def render_banner(snap: HostSnapshot | None, now: float) -> Text | None:
-    """The one-line alarm above everything: disconnected, or an operation holding the host."""
+    """The one-line alarm above everything: disconnected, an operation holding the host, or something on
+    the port that is not ours."""
     if snap is None:
         return None
     if not snap.connected:
@@ -118,6 +119,11 @@ def render_banner(snap: HostSnapshot | None, now: float) -> Text | None:
         return t
     if snap.operation:
         return Text(f" {snap.operation}", no_wrap=True, overflow="ellipsis")
+    if snap.not_ours:
+        return Text(f" NOT OURS: {snap.not_ours} (left alone)", no_wrap=True, overflow="ellipsis")
+    if snap.leftovers:
+        return Text(f" leftovers of the previous server alive: pids {', '.join(map(str, snap.leftovers))} "
+                    "(stop sweeps them)", no_wrap=True, overflow="ellipsis")
     return None
 
 
