@@ -8,7 +8,7 @@ from typing import Any
 from dynctl import events, operations
 from dynctl.agent import AgentClient
 from dynctl.config import HostConfig
-from dynctl.errors import OperationFailed, PreflightError
+from dynctl.errors import PreflightError
 from dynctl.lifecycle import server_argv
 from dynctl.native import plan_native
 from dynctl.patching import parse_threshold, plan_patch, strategy_for

@@ -33,9 +33,7 @@ from dynctl.errors import OperationFailed, PreflightError
 from dynctl.server_status import sample_server
 from lifecycle_harness import Box, alive, box, listening, make_box, wait_for  # noqa: F401 - box is a fixture
 from sshd_harness import free_port
-from test_deploy_e2e import box as demo_box  # noqa: F401 - fixture: a demo host inside pct container 129
-from test_deploy_e2e import demo_template  # noqa: F401 - fixture
-from test_deploy_e2e import dynctl, server_info, server_pid, session, start_baseline, tree_hashes
+from demo_box import dynctl, server_info, server_pid, session, start_baseline, tree_sha256
 
 # An sglang "launcher" that is loading (it never opens its port): what an operator started by hand, or
 # another user's server on this machine. dynctl did not start it, so it must never signal it.
@@ -124,7 +122,8 @@ def test_stop_with_our_server_running_leaves_the_stranger_alone(box: Box, tmp_pa
     assert result["pid"] == pid and not alive(pid)
     assert alive(stranger.pid) and stranger.pid not in signals_sent(box.journal())
     # and restarting is refused up front: the stranger would take the port while ours loads
-    with pytest.raises(AgentError, match="restart refused") as err:
+    # (restart runs as a host operation, whose refusal reaches the caller as the operation's error)
+    with pytest.raises(PreflightError, match="restart refused") as err:
         lifecycle.restart_server(box.agent, box.argv(), grace=5, ready_timeout=30)
     assert err.value.exit_code == 3 and alive(stranger.pid) and box.pidfile()["stopped"]
 
@@ -244,7 +243,7 @@ def threshold_now(config: Path) -> int | None:
 def test_deploy_refuses_a_stranger_launcher_and_never_signals_it(demo_box, strangers, tmp_path):
     config = demo_box()
     pid = start_baseline(config)
-    pristine = tree_hashes(config)
+    pristine = tree_sha256(config)
     stranger = spawn_launcher(strangers, tmp_path, ["--model-path", "/m", "--port", str(port_of(config))])
 
     dry = dynctl("deploy", "--threshold", "5", "--dry-run", config=config)
@@ -254,19 +253,19 @@ def test_deploy_refuses_a_stranger_launcher_and_never_signals_it(demo_box, stran
     assert f"pid {stranger.pid}" in out.stderr and f"dynctl stop --pid {stranger.pid}" in out.stderr
     assert "nothing was changed and nothing was killed" in out.stderr
     assert stranger.poll() is None  # never signalled, by the deploy or by a rollback
-    assert server_pid(config) == pid and tree_hashes(config) == pristine and releases_in_force(config) == []
+    assert server_pid(config) == pid and tree_sha256(config) == pristine and releases_in_force(config) == []
 
     for verb in (["rollback", "--to", "baseline"], ["restart"]):
         res = dynctl(*verb, "--yes", config=config)
         assert res.returncode == 3, (verb, res.stdout + res.stderr)
         assert f"pid {stranger.pid}" in res.stderr and stranger.poll() is None
         assert server_pid(config) == pid  # refused before our own server was touched
-    assert tree_hashes(config) == pristine
+    assert tree_sha256(config) == pristine
 
 
 def test_stop_names_the_stranger_and_only_stop_pid_ends_it(demo_box, strangers, tmp_path):
     config = demo_box()
-    pristine = tree_hashes(config)
+    pristine = tree_sha256(config)
     stranger = spawn_launcher(strangers, tmp_path, ["--model-path", "/m", "--port", str(port_of(config))])
 
     stop = dynctl("stop", "--yes", config=config)
@@ -290,7 +289,7 @@ def test_stop_names_the_stranger_and_only_stop_pid_ends_it(demo_box, strangers, 
     named = dynctl("stop", "--pid", str(stranger.pid), "--yes", config=config)
     assert named.returncode == 0, named.stdout + named.stderr
     assert stranger.wait(30) == -signal.SIGTERM
-    assert tree_hashes(config) == pristine
+    assert tree_sha256(config) == pristine
 
 
 def test_stop_pid_refuses_a_process_that_is_not_an_sglang_server(demo_box, strangers):
@@ -317,10 +316,10 @@ def test_a_foreign_listener_refuses_rollback_restart_start_before_anything_chang
     start_baseline(config)
     assert dynctl("deploy", "--threshold", "5", "--yes", "--soak", "0", config=config).returncode == 0
     assert dynctl("stop", "--yes", config=config).returncode == 0
-    patched, rel = tree_hashes(config), releases_in_force(config)
+    patched, rel = tree_sha256(config), releases_in_force(config)
     with _listen(socket.AF_INET, "127.0.0.1", port_of(config)):
         out = dynctl(*verb, "--yes", config=config)
-    assert tree_hashes(config) == patched and releases_in_force(config) == rel  # 3 means: nothing changed
+    assert tree_sha256(config) == patched and releases_in_force(config) == rel  # 3 means: nothing changed
     assert out.returncode == 3, out.stdout + out.stderr
     assert f"port {port_of(config)} is held by pid {os.getpid()}" in out.stderr
     assert "nothing was changed" in out.stderr
@@ -330,12 +329,12 @@ def test_a_foreign_listener_refuses_rollback_restart_start_before_anything_chang
 def test_a_foreign_listener_on_another_address_is_refused_before_our_server_is_stopped(demo_box):
     config = demo_box()
     pid = start_baseline(config)
-    pristine = tree_hashes(config)
+    pristine = tree_sha256(config)
     with _listen(socket.AF_INET6, "::1", port_of(config)):  # ours serves 127.0.0.1:P; this holds [::1]:P
         out = dynctl("deploy", "--threshold", "5", "--yes", config=config)
         assert out.returncode == 3, out.stdout + out.stderr
         assert f"is held by pid {os.getpid()}" in out.stderr
-        assert server_pid(config) == pid and tree_hashes(config) == pristine
+        assert server_pid(config) == pid and tree_sha256(config) == pristine
 
 
 _GRAB = """
@@ -445,7 +444,7 @@ def test_stop_then_start_keeps_the_deployed_threshold(demo_box):
 def test_a_server_that_dies_soon_after_ready_is_rolled_back(demo_box):
     config = demo_box()
     old = start_baseline(config)
-    pristine = tree_hashes(config)
+    pristine = tree_sha256(config)
     s = session(config)
     dplan = core.plan_deploy(s.agent, s.host, 5)
     dplan.launch_argv += ["--sim-crash-after", "8"]  # a scheduler that dies a few seconds into serving
@@ -458,7 +457,7 @@ def test_a_server_that_dies_soon_after_ready_is_rolled_back(demo_box):
     assert [e.step for e in seen if isinstance(e, events.StepDone)][:5] == ["switch", "stop", "start", "health",
                                                                             "verify"]
     assert any(isinstance(e, events.Failed) and any("CUDA error" in ln for ln in e.log_tail) for e in seen)
-    assert tree_hashes(config) == pristine and releases_in_force(config) == []
+    assert tree_sha256(config) == pristine and releases_in_force(config) == []
     new = server_pid(config)
     assert new and new != old
     r = httpx.post(f"http://127.0.0.1:{s.host.port}/generate",

@@ -28,21 +28,12 @@ from dynctl.errors import ConfigError, DynctlError, PreflightError
 from dynctl.patching.host import apply_plan, plan_for_apply, read_patch_state
 from dynctl.transport.local import Local
 from polling import wait_for
-from test_deploy_e2e import (  # noqa: F401 - fixtures
-    CTID,
-    POLICY,
-    box,
-    demo_template,
-    dynctl,
-    server_info,
-    server_pid,
-    session,
-    start_baseline,
-    tree_hashes,
-    with_text,
-)
+from demo_box import CTID, dynctl, server_info, server_pid, session, start_baseline, tree_sha256, with_text
+from test_deploy_e2e import box  # noqa: F401 - fixture
 from test_operations import local_demo  # noqa: F401 - fixture
 from test_patch_agent import _mounted, make_box  # noqa: F401 - fixture
+
+POLICY = "srt/speculative/spec_batch_threshold.py"
 
 
 def workdir_of(config: Path) -> Path:
@@ -92,7 +83,7 @@ def test_connection_cut_right_after_the_start_is_followed_to_what_the_host_did(b
     """The SSH sessions die the moment the host takes its lock: the host finishes, and the client says so."""
     config = box()
     old = start_baseline(config)
-    pristine = tree_hashes(config)
+    pristine = tree_sha256(config)
     if verb == "rollback":
         first = dynctl("deploy", "--threshold", "5", "--yes", config=config)
         assert first.returncode == 0, first.stdout + first.stderr
@@ -109,7 +100,7 @@ def test_connection_cut_right_after_the_start_is_followed_to_what_the_host_did(b
         assert "threshold 5 in force" in out.stdout
         assert info["internal_states"][0]["speculative_disable_batch_threshold"] == 5
     elif verb == "rollback":
-        assert "rolled back" in out.stdout and tree_hashes(config) == pristine
+        assert "rolled back" in out.stdout and tree_sha256(config) == pristine
     else:
         assert "/generate returned" in out.stdout
         assert server_pid(config) not in (None, old) and info is not None
