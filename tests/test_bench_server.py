@@ -3,7 +3,7 @@
 `TokenServer` is a genuine asyncio HTTP/1.1 server on 127.0.0.1 (chunked SSE like uvicorn, sglang's event
 shapes): each request streams `max_tokens` tokens, `tokens_per_chunk` per event every `interval` seconds,
 so throughput at concurrency C is exactly C * tokens_per_chunk / interval. Faults can be switched on.
-Other bench tests import it; the simulated host (dynctl.sim) is used where calibration matters.
+Other bench tests import it; the simulated host (dynctl.sim) is used where the GPU table's numbers matter.
 """
 
 from __future__ import annotations

@@ -134,20 +134,22 @@ def _run(mode, values, threshold=None):
     return ModeRun(mode, mode.threshold if threshold is None else threshold, levels)
 
 
-# The simulator's calibration (dynctl/sim/costmodel.py): EAGLE-3 +20 % at 1, -3 % at 2, -23 % at 4, 354 vs 773 at 250
-NOSPEC = {1: 100.0, 2: 190.0, 4: 350.0, 8: 560.0, 256: 773.0}
-SPEC = {1: 120.0, 2: 184.0, 4: 270.0, 8: 400.0, 256: 354.0}
+# The H200 run the demo host's table comes from (benchmarks/gpu/results/0.5.12.post1.json, sweeps nospec,
+# eagle3 and skip-t8): EAGLE-3 ahead up to 8 streams, behind from 16 on; the run recommended threshold 8.
+NOSPEC = {1: 247.4, 2: 487.7, 4: 949.6, 8: 1859.7, 16: 3564.7, 256: 21565.3}
+SPEC = {1: 439.6, 2: 772.8, 4: 1495.2, 8: 1922.5, 16: 3224.5, 256: 11659.4}
+THRESHOLD_8 = {1: 450.2, 2: 837.2, 4: 1501.4, 8: 2430.6, 16: 3378.8}
 
 
 def test_recommendation_sits_at_the_crossover_with_margins():
-    rec = recommend([_run(Mode.no_spec(), NOSPEC), _run(Mode.always_spec(), SPEC), _run(Mode.at(1), {
-        1: 119.0, 2: 189.0, 4: 349.0})])
-    assert rec["threshold"] == 1 and rec["flag"] == "--speculative-disable-batch-threshold 1"
-    assert rec["crossover"] == {"last_spec_win": 1, "first_no_spec_win": 2}
+    rec = recommend([_run(Mode.no_spec(), NOSPEC), _run(Mode.always_spec(), SPEC), _run(Mode.at(8), THRESHOLD_8)])
+    assert rec["threshold"] == 8 and rec["flag"] == "--speculative-disable-batch-threshold 8"
+    assert rec["crossover"] == {"last_spec_win": 8, "first_no_spec_win": 16}
     by = {r["max_concurrency"]: r for r in rec["levels"]}
-    assert by[1]["speculation"] and by[1]["margin_vs_no_spec_pct"] == pytest.approx(20.0)
-    assert not by[256]["speculation"] and by[256]["margin_vs_always_spec_pct"] == pytest.approx((773 / 354 - 1) * 100)
-    assert by[2]["measured_output_throughput"] == 189.0  # threshold 1 was measured: its real margin is shown
+    assert by[1]["speculation"] and by[1]["margin_vs_no_spec_pct"] == pytest.approx((439.6 / 247.4 - 1) * 100)
+    assert not by[256]["speculation"]
+    assert by[256]["margin_vs_always_spec_pct"] == pytest.approx((21565.3 / 11659.4 - 1) * 100)
+    assert by[16]["measured_output_throughput"] == 3378.8  # threshold 8 was measured: its real margin is shown
     assert rec["notes"] == []
 
 
@@ -223,7 +225,7 @@ def test_png_chart_draws_every_mode(tmp_path):
     w, h, colors = _png_pixels(path)
     assert (w, h) == (960, 560)
     assert (31, 119, 180) in colors and (214, 39, 40) in colors  # the two mode lines
-    assert crossover_x(rec) == (pytest.approx(2 ** 0.5), "crossover: threshold 1")
+    assert crossover_x(rec) == (pytest.approx(128 ** 0.5), "crossover: threshold 8")
     with pytest.raises(UsageError, match="nothing was measured"):
         write_png([], tmp_path / "none.png", title="t")
 

@@ -51,7 +51,7 @@ def test_demo_in_tmux_shows_speculation_switching(tmp_path, isolated_home):
     env.pop("DYNCTL_CONFIG", None)
     port = free_port()
     session = "dynctl-demo"
-    command = (f"{sys.executable} -m dynctl demo --port {port} --time-scale 8 --level-seconds 2; "
+    command = (f"{sys.executable} -m dynctl demo --port {port} --level-seconds 2; "
                f"echo DEMO-EXITED-$?; sleep 600")
     subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "120", "-y", "40", command],
                    check=True, env=env)

@@ -1,47 +1,94 @@
-"""The simulator's pure parts: the calibrated cost model, the speculation policies, options, log formats."""
+"""The simulator's pure parts: the cost model on the GPU table, the speculation policies, options, log formats."""
 
 from __future__ import annotations
 
+import json
 import random
 import re
+from importlib import resources
 
 import pytest
 
 from dynctl.sim import costmodel
-from dynctl.sim.costmodel import PLAIN, SKIP, SPECULATE, Hardware, steady_throughput
+from dynctl.sim.costmodel import PLAIN, SKIP, SPECULATE, TableError
 from dynctl.sim.loglines import decode_batch_line, prefill_batch_line
 from dynctl.sim.options import OptionError, split_sim_options
 from dynctl.sim.speculation import AdaptiveSpeculation, captured_batch_sizes
 
-HW = Hardware()
-LEVELS = [1, 2, 4, 8, 16, 32, 64, 128, 250, 256]
+COSTS = costmodel.load_table()
+# The GPU run's workload: prompts of 65 tokens on average, 128 new tokens.
+WORKLOAD = (65.031, 128)
 
 
-def test_calibration_matches_the_seed_measurements_at_250():
-    nospec = steady_throughput(HW, 250, PLAIN)
-    eagle3 = steady_throughput(HW, 250, SPECULATE)
-    assert nospec == pytest.approx(costmodel.SEED_NOSPEC_TOK_S, rel=0.01)
-    assert eagle3 == pytest.approx(costmodel.SEED_EAGLE3_TOK_S, rel=0.01)
+def test_the_shipped_table_is_the_h200_run():
+    assert COSTS.source["sglang"] == "0.5.12.post1" and COSTS.source["date"] == "2026-11-30"
+    assert "H200" in COSTS.source["gpu"] and "5.9 B" in COSTS.source["model"]["target"]
+    assert (COSTS.steps, COSTS.draft_tokens) == (3, 4)
+    assert COSTS.label == "1 x NVIDIA H200 (141 GB), sglang 0.5.12.post1, 2026-11-30"
 
 
-def test_speculation_wins_only_at_concurrency_1():
-    ratios = {b: steady_throughput(HW, b, SPECULATE) / steady_throughput(HW, b, PLAIN) for b in LEVELS}
-    assert ratios[1] > 1.1
-    assert all(ratios[b] < 1.0 for b in LEVELS if b >= 2), ratios
+@pytest.mark.parametrize("kind, expected", [
+    # the H200 table's tok/s (sweeps nospec, eagle3, skip-t0) at concurrency 1, 8, 64, 256
+    (PLAIN, {1: 247.4, 8: 1859.7, 64: 11728.7, 256: 21565.3}),
+    (SPECULATE, {1: 439.6, 8: 1922.5, 64: 8282.2, 256: 11659.4}),
+    (SKIP, {1: 234.0, 8: 1763.7, 64: 10655.5, 256: 21004.9}),
+])
+def test_a_closed_loop_on_the_model_serves_the_tables_tok_s(kind, expected):
+    """Decode steps plus the prefills of the requests they finish, at the measured workload."""
+    for c, tok_s in expected.items():
+        assert COSTS.closed_loop_tok_s(c, kind, *WORKLOAD) == pytest.approx(tok_s, rel=0.001), (kind, c)
 
 
-def test_a_threshold_step_costs_little_more_than_no_speculation():
-    """The patch's disabled steps (eager decode + one draft extend) stay within 6 % of plain decoding."""
-    for b in (64, 128, 250):
-        skip = b / costmodel.decode_step_seconds(HW, b, SKIP)
-        assert 0.94 * steady_throughput(HW, b, PLAIN) < skip < steady_throughput(HW, b, PLAIN)
+def test_decode_steps_are_cheaper_than_the_measured_step_ms_by_the_prefills():
+    """step_ms counts prefill passes too; the model's decode step must not charge them a second time."""
+    assert COSTS.decode_step_seconds(256, PLAIN) * 1000 == pytest.approx(8.95, abs=0.01)  # step_ms 10.23
+    assert COSTS.decode_step_seconds(1, PLAIN) * 1000 == pytest.approx(4.03, abs=0.01)  # step_ms 4.012
+    assert COSTS.prefill_step_seconds(1000) == pytest.approx(0.0223, abs=0.0001)
 
 
-def test_accept_length_draws_match_the_expectation():
+def test_costs_between_measured_batches_are_interpolated_and_beyond_them_extrapolated():
+    at = {b: COSTS.decode_step_seconds(b, PLAIN) for b in (128, 192, 256, 384)}
+    assert at[192] == pytest.approx((at[128] + at[256]) / 2)
+    assert at[384] - at[256] == pytest.approx(at[256] - at[128])  # along the last measured segment
+    assert COSTS.decode_step_seconds(0, PLAIN) == 0.0
+    plain, spec = (COSTS.decode_step_seconds(3, kind) for kind in (PLAIN, SPECULATE))
+    # another speculative shape: the measured overhead over a plain step, scaled by steps + draft tokens
+    assert COSTS.decode_step_seconds(3, SPECULATE, 7, 8) == pytest.approx(plain + (spec - plain) * 15 / 7)
+    assert COSTS.decode_step_seconds(3, SPECULATE, 3, 4) == spec
+
+
+def test_speculation_beats_the_patchs_disabled_steps_up_to_8_and_loses_from_16():
+    """The GPU run recommended threshold 8: EAGLE-3 ahead at 1-8 streams, behind from 16 on."""
+    ratio = {c: COSTS.closed_loop_tok_s(c, SPECULATE, *WORKLOAD) / COSTS.closed_loop_tok_s(c, SKIP, *WORKLOAD)
+             for c in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
+    assert all(ratio[c] > 1.05 for c in (1, 2, 4, 8)), ratio
+    assert all(ratio[c] < 0.95 for c in (16, 32, 64, 128, 256)), ratio
+
+
+def test_accept_length_draws_match_the_table():
+    rate = COSTS.accept_rate
+    assert costmodel.expected_accept_length(rate, 3) == pytest.approx(2.974, abs=0.001)
     rng = random.Random(7)
-    draws = [costmodel.draw_accepted_drafts(rng, 0.7, 3) for _ in range(20000)]
-    assert 1 + sum(draws) / len(draws) == pytest.approx(costmodel.expected_accept_length(0.7, 3), rel=0.02)
+    draws = [costmodel.draw_accepted_drafts(rng, rate, 3) for _ in range(20000)]
+    assert 1 + sum(draws) / len(draws) == pytest.approx(2.974, rel=0.02)
     assert set(draws) == {0, 1, 2, 3}
+
+
+def test_a_broken_table_names_the_file_and_the_part(tmp_path):
+    doc = json.loads((resources.files("dynctl.sim") / costmodel.TABLE_FILE).read_text())
+    del doc["kinds"]["skip"]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(TableError, match=r"t\.json: not a step-cost table \(KeyError: 'skip'\)"):
+        costmodel.load_table(str(path))
+    doc = json.loads((resources.files("dynctl.sim") / costmodel.TABLE_FILE).read_text())
+    doc["kinds"]["plain"]["rows"][0]["decode_ms"] = 0
+    path.write_text(json.dumps(doc))
+    with pytest.raises(TableError, match="kinds.plain.rows must have distinct batches and positive decode_ms"):
+        costmodel.load_table(str(path))
+    path.write_text("{")
+    with pytest.raises(TableError, match=r"t\.json: line 1: Expecting"):
+        costmodel.load_table(str(path))
 
 
 def test_captured_batch_sizes_follow_server_args_generation():

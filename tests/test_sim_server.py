@@ -217,11 +217,13 @@ def _sglang_decode_pattern(site: Path) -> re.Pattern:
 
 
 def test_log_lines_follow_sglang_formats(client, server, patched_site_059):
-    # Push a batch over the threshold and back, so decode lines and both transitions are logged.
+    # Push a batch over the threshold and back, so decode lines and both transitions are logged. At this
+    # time scale a step lasts about 0.1 ms of wall time: the answers are long enough (~0.5 s) to overlap
+    # however slowly the burst's connections open, and the first outlasts the others.
     async def burst():
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as ac:
             await asyncio.gather(*(ac.post("/generate", json={"text": "t", "sampling_params": {
-                "max_new_tokens": 60 if i == 0 else 20}}) for i in range(THRESHOLD + 3)))
+                "max_new_tokens": 20000 if i == 0 else 5000}}) for i in range(THRESHOLD + 3)))
     asyncio.run(burst())
     client.get("/health")
     log = server.log

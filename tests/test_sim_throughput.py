@@ -1,25 +1,38 @@
-"""Measured throughput of a running simulator against the calibration targets (SPEC §1), with --time-scale.
+"""Measured throughput of a running simulator against the GPU table it runs on (dynctl/sim/gpu_table.json).
 
-A closed loop of raw-socket clients keeps the batch full (each client sends its next request the moment
-the last one finished); the server's own decode-token counter (`sglang:realtime_tokens_total{mode=decode}`)
-is read at both ends of a wall-clock window. Divided by the time scale, the rate must land within 10 % of
-the calibrated figures: ≈773 tok/s without speculation and ≈354 with EAGLE-3 at 250 concurrent requests,
-EAGLE-3 ahead at concurrency 1, and the patch's threshold recovering nearly all of the loss.
+The table comes from sglang 0.5.12.post1 on one H200 (2026-11-30): closed loops of C streams, each request a
+prompt of 16-128 tokens (65 on average) and 128 new tokens, tok/s from the server's decode-token counter.
+Here the same loop runs against the simulator over HTTP with raw-socket clients (each sends its next request
+the moment the last one finished), and the simulator's own `sglang:realtime_tokens_total{mode=decode}` is
+read at both ends of a wall-clock window. At --time-scale 1 the rate must land within TOLERANCE of the
+table's tok/s for that mode and concurrency. The expected figures below are the table's, copied.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-
-from dynctl.sim.costmodel import PLAIN, SKIP, SPECULATE, Hardware, steady_throughput
 from test_sim_harness import SPEC_ARGS, patched_site_059, start_sim  # noqa: F401 - fixtures
 
-HW = Hardware()
+# The GPU run's windows spread by 1-65 % (spread_pct); the simulator is steadier, but its loop carries HTTP
+# and Python costs of its own (measured here on 2 loaded cores: every level within 3 %).
+TOLERANCE = 0.10
+PROMPT_TOKENS = 65
+NEW_TOKENS = 128
+
+# mode: (extra argv, {concurrency: tok/s measured on the H200})
+MODES = {
+    "nospec": ([], {1: 247.4, 16: 3564.7, 256: 21565.3}),
+    "eagle3": (SPEC_ARGS, {1: 439.6, 16: 3224.5, 256: 11659.4}),
+    # the patched server at the threshold the GPU run recommended (its sweep skip-t8)
+    "threshold 8": ([*SPEC_ARGS, "--speculative-disable-batch-threshold", "8"], {1: 450.2, 16: 3378.8,
+                                                                                256: 20771.8}),
+}
 
 
 async def _request(port: int, method: str, path: str, body: dict | None = None) -> bytes:
@@ -36,36 +49,49 @@ async def _request(port: int, method: str, path: str, body: dict | None = None) 
     return rest
 
 
-async def _decode_tokens(port: int) -> tuple[float, float]:
-    """(decode tokens so far, running requests) from /metrics."""
+async def _decode_tokens(port: int) -> float:
+    """Decode tokens so far, from /metrics."""
     text = (await _request(port, "GET", "/metrics")).decode()
-    tokens = running = 0.0
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == "sglang:realtime_tokens_total" and sample.labels.get("mode") == "decode":
-                tokens = sample.value
-            if sample.name == "sglang:num_running_reqs":
-                running = sample.value
-    return tokens, running
+                return sample.value
+    return 0.0
 
 
-async def decode_rate(port: int, concurrency: int, max_tokens: int, window: float) -> float:
+async def decode_rate(port: int, concurrency: int, window: float) -> float:
+    """Decode tok/s of a closed loop of `concurrency` streams over one window of `window` seconds.
+
+    The streams start spread over one second, as a closed loop settles on a real server, whose jitter
+    spreads the requests' ends. Started together, plain-decoding streams of equal length would stay in
+    lockstep on the simulator, and all of their HTTP round trips would fall into the same idle gap.
+    The window opens once every stream has finished a request, so the start-up transient is behind it.
+    """
     stop = asyncio.Event()
+    rng = random.Random(concurrency)
+    prompts = [[rng.randrange(3, 32000) for _ in range(PROMPT_TOKENS)] for _ in range(16)]
+    finished = [0] * concurrency
 
-    async def client() -> None:
+    async def client(i: int) -> None:
+        await asyncio.sleep(i / concurrency)  # the stagger, not a wait for anything
         while not stop.is_set():
-            await _request(port, "POST", "/generate", {"text": "bench", "sampling_params": {
-                "max_new_tokens": max_tokens}})
+            await _request(port, "POST", "/generate", {
+                "input_ids": prompts[(i + finished[i]) % len(prompts)],
+                "sampling_params": {"max_new_tokens": NEW_TOKENS, "ignore_eos": True}})
+            finished[i] += 1
 
-    clients = [asyncio.create_task(client()) for _ in range(concurrency)]
+    clients = [asyncio.create_task(client(i)) for i in range(concurrency)]
     try:
-        deadline = time.monotonic() + 30
-        while (await _decode_tokens(port))[1] < concurrency:  # the batch is full
-            assert time.monotonic() < deadline, "the batch never filled"
-            await asyncio.sleep(0.01)
-        first, t0 = (await _decode_tokens(port))[0], time.perf_counter()
+        deadline = time.monotonic() + 60
+        while min(finished) < 1:
+            assert time.monotonic() < deadline, f"streams without a finished request: {finished.count(0)}"
+            for task in clients:
+                if task.done():
+                    task.result()  # a failed request fails the test with its own error
+            await asyncio.sleep(0.05)
+        first, t0 = await _decode_tokens(port), time.perf_counter()
         await asyncio.sleep(window)  # the measurement window itself
-        last, t1 = (await _decode_tokens(port))[0], time.perf_counter()
+        last, t1 = await _decode_tokens(port), time.perf_counter()
         return (last - first) / (t1 - t0)
     finally:
         stop.set()
@@ -74,35 +100,20 @@ async def decode_rate(port: int, concurrency: int, max_tokens: int, window: floa
         await asyncio.gather(*clients, return_exceptions=True)
 
 
-MODES = {
-    # mode: (extra argv, step kind at batch 1, step kind at batch 250)
-    "nospec": ([], PLAIN, PLAIN),
-    "eagle3": (SPEC_ARGS, SPECULATE, SPECULATE),
-    "threshold": ([*SPEC_ARGS, "--speculative-disable-batch-threshold", "5"], SPECULATE, SKIP),
-}
-
-
 @pytest.mark.parametrize("mode", list(MODES))
-def test_throughput_at_concurrency_1_and_250_matches_the_calibration(mode, patched_site_059, start_sim):
-    extra, kind_1, kind_250 = MODES[mode]
-    argv = ["--sim-load-seconds", "0.5", "--model-path", "/m", "--max-running-requests", "256",
-            "--enable-metrics", "--decode-log-interval", "1", *extra]
-    env = {"SGLANG_ENABLE_SPEC_V2": "1"}
-    scale = 100  # a batch-250 step lasts 3-18 ms of wall time
-    sim = start_sim(patched_site_059, [*argv, "--time-scale", str(scale)], env=env).wait_ready()
-    at_250 = asyncio.run(decode_rate(sim.port, 250, 400, 1.0)) / scale
-    sim.stop()
-    scale = 5  # a batch-1 step lasts 1.5-3 ms of wall time
-    sim = start_sim(patched_site_059, [*argv, "--time-scale", str(scale)], env=env).wait_ready()
-    at_1 = asyncio.run(decode_rate(sim.port, 1, 400, 1.5)) / scale
+def test_closed_loop_throughput_matches_the_gpu_table(mode, patched_site_059, start_sim):
+    extra, expected = MODES[mode]
+    argv = ["--time-scale", "1", "--sim-load-seconds", "0", "--model-path", "/m", "--max-running-requests", "256",
+            "--enable-metrics", *extra]
+    sim = start_sim(patched_site_059, argv, env={"SGLANG_ENABLE_SPEC_V2": "1"}).wait_ready()
+    measured = {c: asyncio.run(decode_rate(sim.port, c, window=3.0)) for c in expected}
+    for c, tok_s in expected.items():
+        assert measured[c] == pytest.approx(tok_s, rel=TOLERANCE), (mode, measured)
 
-    # Measured here (2 loaded cores): nospec 761/131, eagle3 357/157, threshold 728/155 tok/s at 250/1.
-    assert at_250 == pytest.approx(steady_throughput(HW, 250, kind_250), rel=0.10), (mode, at_250)
-    assert at_1 == pytest.approx(steady_throughput(HW, 1, kind_1), rel=0.10), (mode, at_1)
-    if mode == "nospec":
-        assert at_250 == pytest.approx(773, rel=0.10)
-    elif mode == "eagle3":
-        assert at_250 == pytest.approx(354, rel=0.10)
-        assert at_1 > 1.05 * steady_throughput(HW, 1, PLAIN)  # EAGLE-3 ahead at concurrency 1 only
-    else:
-        assert at_250 > 0.9 * 773  # the threshold recovers (nearly) the plain-decode throughput
+
+def test_time_scale_multiplies_the_rate(patched_site_059, start_sim):
+    """--time-scale S divides every step's duration: the same loop serves S times the table's tok/s."""
+    scale = 3
+    argv = ["--time-scale", str(scale), "--sim-load-seconds", "0", "--model-path", "/m", "--enable-metrics"]
+    sim = start_sim(patched_site_059, argv).wait_ready()
+    assert asyncio.run(decode_rate(sim.port, 1, window=2.0)) / scale == pytest.approx(247.4, rel=TOLERANCE)

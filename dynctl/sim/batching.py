@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from dynctl.sim import costmodel
-from dynctl.sim.costmodel import SKIP, SPECULATE, Hardware
+from dynctl.sim.costmodel import SKIP, SPECULATE, StepCosts
 from dynctl.sim.loglines import decode_batch_line, prefill_batch_line
 from dynctl.sim.metrics import ServerMetrics
 from dynctl.sim.speculation import Speculation
@@ -53,11 +53,11 @@ class Request:
 class Batcher:
     def __init__(self, args: dict[str, Any], speculation: Speculation, *, time_scale: float, accept_rate: float,
                  seed: int, max_total_num_tokens: int, max_running_requests: int, log: Any,
-                 metrics: ServerMetrics | None, hardware: Hardware | None = None,
+                 metrics: ServerMetrics | None, costs: StepCosts | None = None,
                  schedulers_alive: Callable[[], bool] = lambda: True):
         self.args = args
         self.speculation = speculation
-        self.hw = hardware or Hardware()
+        self.costs = costs or costmodel.load_table()
         self.time_scale = time_scale
         self.accept_rate = accept_rate
         self.rng = random.Random(seed)
@@ -132,7 +132,7 @@ class Batcher:
             admitted = self._admit()
             if admitted:
                 new_tokens = sum(r.input_tokens for r in admitted)
-                seconds = costmodel.prefill_step_seconds(self.hw, new_tokens)
+                seconds = self.costs.prefill_step_seconds(new_tokens)
                 deadline = await self._sleep_until(loop, deadline + seconds / self.time_scale)
                 self._finish_prefill(admitted, new_tokens)
             else:
@@ -140,7 +140,7 @@ class Batcher:
                 plan = self.speculation.decide(batch)
                 if plan.transition:
                     self.log.info(plan.transition)
-                seconds = costmodel.decode_step_seconds(self.hw, batch, plan.kind, plan.steps, plan.draft_tokens)
+                seconds = self.costs.decode_step_seconds(batch, plan.kind, plan.steps, plan.draft_tokens)
                 deadline = await self._sleep_until(loop, deadline + seconds / self.time_scale)
                 self._finish_decode(plan)
 
@@ -149,8 +149,8 @@ class Batcher:
         if when > now:
             await asyncio.sleep(when - now)
             return when
-        # Behind schedule (a busy event loop): catch up at most 50 ms, so throughput stays calibrated
-        # without a burst after a long stall.
+        # Behind schedule (a busy event loop): catch up at most 50 ms, so throughput stays what the table
+        # says without a burst after a long stall.
         return max(when, now - 0.05)
 
     def _drop_aborted(self) -> None:

@@ -31,8 +31,8 @@ class DemoSetupError(RuntimeError):
 
 
 def demo_args() -> list[str]:
-    """SPEC §3's EAGLE-3 launch arguments for the simulated model. 256 running requests, as the seed
-    measurement at concurrency 250 needed (EAGLE caps it at 48 otherwise, server_args.py:2362-2366)."""
+    """SPEC §3's EAGLE-3 launch arguments for the simulated model. 256 running requests, as the GPU run behind
+    the step-cost table had for its 256-stream level (EAGLE caps it at 48 otherwise, server_args.py:2362-2366)."""
     return ["--model-path", DEMO_MODEL, "--tp", "8",
             "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", DEMO_DRAFT,
             "--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4",

@@ -20,14 +20,14 @@ class OptionError(ValueError):
 
 @dataclass(frozen=True)
 class SimOptions:
-    # How much faster than the calibrated hardware the simulated GPU runs. Divides every simulated
-    # duration: decode/prefill step times, model loading, warm-up, the SIGTERM watchdog period and the
-    # /health wait. Reported throughput is wall-clock, so it is time_scale times the calibrated figure.
+    # How much faster than the measured GPU (costmodel.py's table) the simulated one runs. Divides every
+    # simulated duration: decode/prefill step times, model loading, warm-up, the SIGTERM watchdog period
+    # and the /health wait. Reported throughput is wall-clock, so it is time_scale times the table's figure.
     time_scale: float = 1.0
     # Simulated seconds the schedulers spend "loading weights" and capturing graphs before the port opens.
     load_seconds: float = 4.0
-    # Mean acceptance probability of each draft token (EAGLE-3 on the seed box: accept len ~2.5 at 3 steps).
-    accept_rate: float = 0.7
+    # Acceptance probability of each draft token; None: the one that gives the table's accept length.
+    accept_rate: float | None = None
     seed: int = 0
     # Where the fake nvidia-smi reads GPU state; None: GPU memory is not published.
     gpu_dir: Path | None = None
@@ -105,7 +105,7 @@ def _check(o: SimOptions) -> None:
         raise OptionError(f"--time-scale must be > 0, got {o.time_scale}")
     if o.load_seconds < 0:
         raise OptionError(f"--sim-load-seconds must be >= 0, got {o.load_seconds}")
-    if not 0.0 <= o.accept_rate <= 1.0:
+    if o.accept_rate is not None and not 0.0 <= o.accept_rate <= 1.0:
         raise OptionError(f"--sim-accept-rate must be in [0, 1], got {o.accept_rate}")
     for name in ("crash_after", "orphan_lifetime", "slow_health"):
         value = getattr(o, name)

@@ -19,7 +19,7 @@ import time
 import traceback
 from typing import Any
 
-from dynctl.sim import processes, sgltree
+from dynctl.sim import costmodel, processes, sgltree
 from dynctl.sim.batching import Batcher
 from dynctl.sim.endpoints import Api
 from dynctl.sim.gpus import GpuBoard
@@ -34,7 +34,7 @@ from dynctl.sim.speculation import (
 )
 from dynctl.sim.tokenizer import ServerStatus, TokenizerManager, server_args_repr
 
-BANNER = "SIMULATED SGLang server (dynctl.sim): no GPU, no model; timings from a calibrated batching model"
+BANNER = "SIMULATED SGLang server (dynctl.sim): no GPU, no model; step times from GPU measurements"
 WARMUP_TEXT = "The capital city of France is"
 
 
@@ -121,7 +121,8 @@ class Launch:
         configure_logger("", args.get("log_level") or "info")
         engine_log = logging.getLogger("sglang.srt.entrypoints.engine")
         processes.set_ulimit()
-        engine_log.info(BANNER)
+        self.costs = costmodel.load_table()
+        engine_log.info(f"{BANNER} ({self.costs.label}) at time scale {self.options.time_scale:g}")
         engine_log.info(f"server_args={server_args_repr(args)}")
         signal.signal(signal.SIGQUIT, self._launch_phase_sigquit)
         self.board.prune_dead()
@@ -197,7 +198,9 @@ class Launch:
         speculation = build_speculation(
             {**args, "max_running_requests": plan.max_running_requests}, self.policy_module, adaptive_defaults,
             metrics.scheduler_labels if metrics else {}, metrics.registry if metrics else None, sched_log)
-        batcher = Batcher(args, speculation, time_scale=options.time_scale, accept_rate=options.accept_rate,
+        costs = self.costs
+        accept_rate = options.accept_rate if options.accept_rate is not None else costs.accept_rate
+        batcher = Batcher(args, speculation, time_scale=options.time_scale, accept_rate=accept_rate, costs=costs,
                           seed=options.seed, max_total_num_tokens=plan.max_total_num_tokens,
                           max_running_requests=plan.max_running_requests, log=sched_log, metrics=metrics,
                           schedulers_alive=self._children_alive)
