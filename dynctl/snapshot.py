@@ -195,8 +195,10 @@ def build_snapshot(item: dict[str, Any], host: str, prev: HostSnapshot | None = 
     if lock:
         operation = f"{lock.get('operation') or 'operation'} by {lock.get('who') or '?'} since {lock.get('started') or '?'}"
 
-    threshold = _first(metrics.spec_threshold,
-                       _int_or_none(state_info.get("speculative_disable_batch_threshold")),
+    # The scheduler's own read-back first: the patch writes its gauge only on a decode step, so after a
+    # live change on an idle server the gauge still shows the old value while /server_info has the new.
+    threshold = _first(_int_or_none(state_info.get("speculative_disable_batch_threshold")),
+                       metrics.spec_threshold,
                        _int_or_none(info.get("speculative_disable_batch_threshold")),
                        _int_or_none(release.get("threshold")) if up else None,
                        prev.threshold if same_run and prev else None)

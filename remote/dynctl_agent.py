@@ -1075,6 +1075,12 @@ def set_threshold(ctx, threshold, host="127.0.0.1", port=None, timeout=10.0, **_
     port = int(port or ctx.port)
     if not isinstance(threshold, int) or isinstance(threshold, bool) or threshold < -1:
         raise AgentError("threshold must be an integer >= -1, got %r" % (threshold,), "usage")
+    if port == ctx.port:  # never send a change to a listener that is not our server
+        loc = locate_server(ctx)
+        found = _lc_not_ours(ctx, loc) if loc["server"] is None else None
+        if found is not None and found["kind"] in ("foreign", "hidden"):
+            raise AgentError("%s; the threshold was not sent (%s)" % (found["text"], found["hint"]), "preflight",
+                             not_ours=found["text"])
     body = json.dumps({"server_args": {_BENCH_THRESHOLD_KEY: threshold}}).encode()
     req = urllib.request.Request(_bench_url(host, port, "/set_internal_state"), data=body, method="POST",
                                  headers={"Content-Type": "application/json"})

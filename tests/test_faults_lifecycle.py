@@ -479,3 +479,19 @@ def test_a_rollback_whose_server_dies_in_the_soak_says_so(demo_box, sshd, tmp_pa
     assert out.returncode == 1, out.stdout + out.stderr
     assert "rollback to baseline failed" in out.stderr and "after it became ready" in out.stderr
     assert f"done before that: stopped the server, reverted {rel}" in out.stderr
+
+
+def test_a_live_threshold_change_is_never_sent_to_a_foreign_listener(box: Box, tmp_path: Path):
+    box.start_ready()
+    lifecycle.stop_server(box.agent, grace=10)
+    seen = tmp_path / "requests"
+    code = ("import http.server, sys\n"
+            "class H(http.server.BaseHTTPRequestHandler):\n"
+            "    def do_POST(self):\n"
+            "        open(sys.argv[2], 'a').write(self.path + '\\n'); self.send_response(200); self.end_headers()\n"
+            "http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), H).serve_forever()\n")
+    foreign = box.spawn([sys.executable, "-c", code, str(box.port), str(seen)])
+    wait_for(lambda: listening(box.port), what="the foreign listener")
+    with pytest.raises(AgentError, match=f"(?s)held by pid {foreign.pid} .*the threshold was not sent") as err:
+        box.agent.call("set_threshold", threshold=5)
+    assert err.value.exit_code == 3 and not seen.exists() and alive(foreign.pid)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import random
 import re
@@ -141,3 +142,21 @@ def test_decode_and_prefill_lines_are_sglangs_format():
     assert re.fullmatch(r"Prefill batch, #new-seq: 2, #new-token: 30, #cached-token: 0, token usage: 0\.01, "
                         r"#running-req: 5, #queue-req: 1, input throughput \(token/s\): 12\.50, cuda graph: False",
                         prefill)
+
+
+def test_disabled_steps_run_on_the_patchs_graphs_when_the_flag_was_given_at_startup():
+    from dynctl import resources
+    from dynctl.sim.speculation import ThresholdSpeculation
+
+    spec = importlib.util.spec_from_file_location("policy_for_sim", resources.patches_dir() / "spec_batch_threshold.py")
+    policy = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(policy)
+    base = {"speculative_algorithm": "EAGLE3", "speculative_eagle_topk": 1, "cuda_graph_max_bs": 256}
+    at_start = ThresholdSpeculation(dict(base, speculative_disable_batch_threshold=4), policy, {}, None)
+    plan = at_start.decide(16)
+    assert (plan.kind, plan.cuda_graph) == (SKIP, True)
+    assert at_start.decide(300).cuda_graph is False  # above the largest captured batch size
+    # started without the flag (it is None), set live later: the patch captured nothing, so eagerly
+    later = ThresholdSpeculation(dict(base, speculative_disable_batch_threshold=None), policy, {}, None)
+    later.set_threshold(4)
+    assert (later.decide(16).kind, later.decide(16).cuda_graph) == (SKIP, False)

@@ -80,3 +80,11 @@ def test_chart_scales_and_marks() -> None:
     text = render_chart(h.points(), h.switches(), 40, 6, now=T0 + 59, window_s=60).plain.splitlines()
     assert len(text) == 6 and text[0].startswith("800 ┤") and text[-1].count("▼") == 1
     assert text[-1].index("▼") in range(len(text[-1]) // 2 - 2, len(text[-1]) // 2 + 4)  # half way along
+
+
+def test_a_live_change_on_an_idle_server_shows_the_read_back_not_the_stale_gauge() -> None:
+    # the patch writes its gauge on decode steps only: after `dynctl threshold 5` on an idle server the gauge
+    # still says -1 while /server_info already says 5
+    raw = item(T0, 0, 0, threshold=-1)
+    raw["server_info"]["data"]["internal_state"]["speculative_disable_batch_threshold"] = 5
+    assert build_snapshot(raw, "h").threshold == 5

@@ -4,8 +4,9 @@ Three regimes, as the real server has them:
   * no `--speculative-algorithm`: every step is a plain decode;
   * EAGLE/EAGLE3 on an unpatched tree: every step speculates;
   * the patch (`speculative/spec_batch_threshold.py`, loaded from the tree by file path): its
-    SpecDisablePolicy decides from the batch size, a disabled step runs the eager plain decode of the
-    patch (so it counts as `decode_none` in `cuda_graph_passes_total`);
+    SpecDisablePolicy decides from the batch size; a disabled step is a plain decode on the patch's
+    plain-decode CUDA graphs, which it captures when the flag is given at startup (a server started
+    without it and given a threshold later decodes eagerly: `decode_none`);
   * native adaptive (sglang ≥ 0.5.14, `--speculative-adaptive`): the batch size is padded up to the next
     captured CUDA-graph batch size and routed to the largest config key ≤ it; steps 0 runs a trivial
     verify on its own D=1 graph (0.5.14 `speculative/adaptive_spec_params.py`, ported below).
@@ -110,8 +111,8 @@ class ThresholdSpeculation(AlwaysSpeculate):
         self._last_decision = decision
         if decision.speculate:
             return StepPlan(SPECULATE, base.steps, base.draft_tokens, base.cuda_graph, decision.transition)
-        # The patch's nospec step hides the graph runner and decodes eagerly.
-        return StepPlan(SKIP, 0, base.draft_tokens, False, decision.transition)
+        graphs = base.cuda_graph and self.args.get(THRESHOLD_ARG) is not None
+        return StepPlan(SKIP, 0, base.draft_tokens, graphs, decision.transition)
 
     def observe_metrics(self, plan: StepPlan) -> None:
         if self.metrics is not None and self._last_decision is not None:
