@@ -12,7 +12,9 @@ generator (for `agent`, reported by the agent itself; `client_cpu_pct` is then t
 Measured here (2 vCPU, loopback, Python 3.11), 256 streams:
   token server, 5,000 tok/s   direct 7.3 % CPU | agent 7.4 % host + 0.1 % client | forward 58 % client,
                               81 of ~2,000 requests failed (forwarder: select() on fds >= 1024)
-  sim --time-scale 1, ~380 tok/s (EAGLE-3)  agent 0.8 % host + 0.1 % client | forward 4.6 %, 98 failed
+  sim --time-scale 1 with the seed-calibrated cost model of the first release, ~380 tok/s (EAGLE-3):
+                              agent 0.8 % host + 0.1 % client | forward 4.6 %, 98 failed (the simulator now
+                              follows the H200 table: README "Measured" has the generator's cost there)
   concurrency 1, 12 ms/token: TTFT and ITL equal within 0.2 ms on all three paths (loopback has no RTT)
 
     /tmp/venv/bin/python benchmarks/bench_loadgen.py --server token --levels 1,256 --duration 8

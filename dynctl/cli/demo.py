@@ -24,7 +24,7 @@ def demo(
     no_tui: bool = typer.Option(False, "--no-tui", help="Print the story as text and exit instead of opening the TUI."),
     threshold: int = typer.Option(5, "--threshold", "-t", help="Threshold to deploy."),
     port: int = typer.Option(30000, "--port", help="Port of the simulated server (127.0.0.1)."),
-    time_scale: float = typer.Option(1.0, "--time-scale", help="Run the simulated GPU this many times faster."),
+    time_scale: float = typer.Option(1.0, "--time-scale", help="Run the simulated GPU this many times faster than the H200 it was measured on (1 = the measured speed)."),
     level_seconds: float = typer.Option(4.5, "--level-seconds", help="Seconds per step of the 1→64→1 ramp."),
 ) -> None:
     """Start a local SIMULATED GPU host, deploy threshold 5 to it, drive a load ramp and watch speculation switch."""
