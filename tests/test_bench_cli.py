@@ -17,6 +17,7 @@ import typer
 from polling import wait_for
 from test_bench_server import TokenServer
 from typer.testing import CliRunner
+from watch_server import record_as_server
 
 from dynctl.cli import bench as bench_cli
 
@@ -45,12 +46,19 @@ def make_app() -> typer.Typer:
     return app
 
 
-def write_config(tmp_path: Path, port: int) -> Path:
+def write_config(tmp_path: Path, port: int, *, launch: list[str] | None = None, serves_here: bool = False) -> Path:
+    """A host `tiny` on this machine. The server on `port` must be ours for bench to switch its threshold:
+    `launch` names the command it was started with (a simulator), `serves_here` records this process
+    (which serves a test server's HTTP) as if `dynctl start` had started it."""
     path = tmp_path / "dynctl.toml"
-    path.write_text(
-        'default_host = "tiny"\n[hosts.tiny]\n'
-        f"port = {port}\npython = {json.dumps(sys.executable)}\nworkdir = {json.dumps(str(tmp_path / 'work'))}\n"
-    )
+    text = ('default_host = "tiny"\n[hosts.tiny]\n'
+            f"port = {port}\npython = {json.dumps(sys.executable)}\nworkdir = {json.dumps(str(tmp_path / 'work'))}\n")
+    if launch is not None:
+        text += f"launch = {json.dumps(launch)}\n"
+    path.write_text(text)
+    if serves_here:
+        (tmp_path / "work").mkdir(exist_ok=True)
+        record_as_server(tmp_path / "work")
     return path
 
 
@@ -93,7 +101,7 @@ def test_unreachable_server_exits_4(tmp_path):
 
 def test_errors_are_counted_and_vllm_names_written(server, tmp_path):
     server.fail_every = 4
-    cfg = write_config(tmp_path, server.port)
+    cfg = write_config(tmp_path, server.port, serves_here=True)
     out = tmp_path / "bench.json"
     result = CliRunner().invoke(make_app(), [
         "bench", "--config", str(cfg), "--concurrency", "2,3", "--num-prompts", "12", "--warmup", "0",
@@ -116,8 +124,19 @@ def test_errors_are_counted_and_vllm_names_written(server, tmp_path):
     assert "failed (most often: HTTP 500" in result.output
 
 
+def test_compare_never_switches_a_server_that_is_not_ours(server, tmp_path):
+    """A listener on the port that dynctl did not start is measured at most, never reconfigured."""
+    cfg = write_config(tmp_path, server.port)  # the test server, not recorded as started by dynctl
+    result = CliRunner().invoke(make_app(), [
+        "bench", "--config", str(cfg), "--concurrency", "1", "--num-prompts", "2", "--input-len", "4",
+        "--output-len", "4", "--compare", "--yes", "--no-chart"])
+    assert result.exit_code == 3, result.output
+    assert "which dynctl does not manage" in " ".join(result.output.split())
+    assert server.threshold == 4  # never changed
+
+
 def test_compare_switches_live_and_restores_the_threshold(server, tmp_path):
-    cfg = write_config(tmp_path, server.port)
+    cfg = write_config(tmp_path, server.port, serves_here=True)
     out = tmp_path / "cmp.json"
     result = CliRunner().invoke(make_app(), [
         "bench", "--config", str(cfg), "--concurrency", "1,2", "--num-prompts", "4", "--input-len", "4",
@@ -134,7 +153,7 @@ def test_compare_switches_live_and_restores_the_threshold(server, tmp_path):
 
 def test_compare_refuses_a_server_without_speculation(server, tmp_path):
     server.spec = None
-    cfg = write_config(tmp_path, server.port)
+    cfg = write_config(tmp_path, server.port, serves_here=True)
     result = CliRunner().invoke(make_app(), ["bench", "--config", str(cfg), "--concurrency", "1",
                                              "--num-prompts", "1", "--compare"])
     assert result.exit_code == 3 and "without speculative decoding" in result.output
@@ -143,7 +162,7 @@ def test_compare_refuses_a_server_without_speculation(server, tmp_path):
 
 def test_unpatched_server_needs_consent_to_redeploy_for_each_mode(server, tmp_path):
     server.threshold = None  # /server_info has no threshold: not patched, so modes need a redeploy
-    cfg = write_config(tmp_path, server.port)
+    cfg = write_config(tmp_path, server.port, serves_here=True)
     result = CliRunner().invoke(make_app(), ["bench", "--config", str(cfg), "--concurrency", "1",
                                              "--num-prompts", "1", "--compare"])
     assert result.exit_code == 2, result.output
@@ -166,7 +185,7 @@ def _read_until(proc: subprocess.Popen, needle: str, timeout: float) -> str:
 
 
 def test_ctrl_c_mid_sweep_writes_what_was_measured_and_exits_130(server, tmp_path):
-    cfg = write_config(tmp_path, server.port)
+    cfg = write_config(tmp_path, server.port, serves_here=True)
     out = tmp_path / "partial.json"
     proc = subprocess.Popen(
         [sys.executable, "-c", LAUNCHER, "bench", "--config", str(cfg), "--concurrency", "1,2,4,8",
@@ -211,7 +230,7 @@ def test_core_run_stops_when_asked_and_restores(server, tmp_path):
     plan = BenchPlan(concurrency=(1, 2, 4), num_prompts=3, input_len=4, output_len=3,
                      modes=(Mode.no_spec(), Mode.always_spec()), compare=True)
     with pytest.raises(BenchInterrupted) as info:
-        run_bench(local_agent(server.port), "tiny", plan, events.append,
+        run_bench(local_agent(server.port, serves_here=True), "tiny", plan, events.append,
                   should_stop=lambda: any(isinstance(e, LevelDone) for e in events))
     result = info.value.result
     assert result.interrupted and result.levels_measured == 1 and result.runs[0].levels[0]["completed"] == 3

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -197,12 +199,19 @@ def token_server():
         server.close()
 
 
-def local_agent(port: int) -> AgentClient:
-    """The real agent in a subprocess on this machine, pointed at `port`."""
+def local_agent(port: int, serves_here: bool = False) -> AgentClient:
+    """The real agent in a subprocess on this machine, pointed at `port`; `serves_here` records this process
+    (which serves the test server's HTTP) as the host's server, as `dynctl start` would."""
     import sys
 
     host = HostConfig(name="benchtest", port=port, python=sys.executable)
     agent = AgentClient(Local(), host)
+    if serves_here:
+        from watch_server import record_as_server
+
+        workdir = Path(os.path.expanduser(host.workdir))
+        workdir.mkdir(parents=True, exist_ok=True)
+        record_as_server(workdir)
     # Upload the agent with a plain call first: a stream to a missing agent can meet a closed stdin pipe
     # (LocalStream writes the request after the boot stub may already have exited 97).
     agent.call("ping")

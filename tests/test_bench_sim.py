@@ -15,6 +15,8 @@ from test_bench_cli import make_app, write_config
 from test_sim_harness import SPEC_ARGS, Sim, patched_site_059  # noqa: F401 - fixture
 from typer.testing import CliRunner
 
+SIM_LAUNCH = ["{python}", "-m", "dynctl.sim"]  # the servers these tests start, as dynctl would
+
 TIME_SCALE = 1.0
 GPU_RUN = (65, 128)  # prompt tokens, new tokens
 # bench starts a level's streams together, so plain-decoding streams of one length run in lockstep on the
@@ -52,7 +54,7 @@ def bench(tmp_path: Path, port: int, *args: str, lengths: tuple[int, int] = GPU_
     tmp_path.mkdir(parents=True, exist_ok=True)
     out = tmp_path / "bench.json"
     result = CliRunner().invoke(make_app(), [
-        "bench", "--config", str(write_config(tmp_path, port)), "--input-len", str(lengths[0]),
+        "bench", "--config", str(write_config(tmp_path, port, launch=SIM_LAUNCH)), "--input-len", str(lengths[0]),
         "--output-len", str(lengths[1]), "--json", str(out), "--no-chart", *args])
     assert result.exit_code == 0, result.output
     return json.loads(out.read_text())

@@ -14,6 +14,8 @@ from test_bench_cli import make_app, write_config
 from test_sim_harness import Sim, patched_site_059  # noqa: F401 - fixture
 from typer.testing import CliRunner
 
+SIM_LAUNCH = ["{python}", "-m", "dynctl.sim"]  # the servers these tests start, as dynctl would
+
 
 @pytest.fixture(scope="module")
 def tokenless_sim(patched_site_059, tmp_path_factory):  # noqa: F811 - the fixture
@@ -33,7 +35,7 @@ def test_bench_sends_token_ids_to_a_server_without_a_tokenizer(tokenless_sim, tm
     assert refused.status_code == 400 and "skip_tokenizer_init=True" in refused.text
     out = tmp_path / "bench.json"
     result = CliRunner().invoke(make_app(), [
-        "bench", "--config", str(write_config(tmp_path, tokenless_sim.port)), "--concurrency", "1,4",
+        "bench", "--config", str(write_config(tmp_path, tokenless_sim.port, launch=SIM_LAUNCH)), "--concurrency", "1,4",
         "--duration", "1.5", "--input-len", "16", "--output-len", "24", "--json", str(out), "--no-chart"])
     assert result.exit_code == 0, result.output
     levels = json.loads(out.read_text())["runs"][0]["levels"]

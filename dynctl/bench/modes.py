@@ -118,6 +118,8 @@ class ModeSwitcher:
         try:
             answer = self.agent.call("set_threshold", threshold=threshold)
         except AgentError as err:
+            if err.answer.get("not_ours"):  # a listener that is not our server: neither switched nor redeployed
+                raise PreflightError(str(err)) from None
             if err.kind == "preflight":
                 return self.redeployer.redeploy(threshold)
             if err.kind == "usage":
