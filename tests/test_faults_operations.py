@@ -417,7 +417,7 @@ def test_the_agent_refuses_a_relative_workdir_itself(tmp_path, monkeypatch):
     """Whatever a client sends: the host side does not guess which directory a relative workdir meant."""
     monkeypatch.chdir(tmp_path)
     request = {"protocol": 1, "verb": "releases", "params": {}, "host": {"workdir": "rel"}, "client": {}}
-    proc = subprocess.run([sys.executable, str(resources.remote_dir() / "dynctl_agent.py")],
+    proc = subprocess.run([sys.executable, "-m", "dynctl_agent"], env={**os.environ, "PYTHONPATH": str(resources.remote_dir())},
                           input=json.dumps(request), capture_output=True, text=True, timeout=60)
     answer = json.loads(proc.stdout.splitlines()[-1])
     assert proc.returncode == 2 and answer["kind"] == "usage" and "'rel' is relative" in answer["error"]
