@@ -64,6 +64,8 @@ _UPLOAD = (
     "   if not os.path.isdir(d): raise\n"
     "except OSError as e:\n"
     " shutil.rmtree(t,ignore_errors=True)\n"
+    " try: os.rmdir(a)\n"
+    " except OSError: pass\n"
     " sys.stderr.write('cannot write the dynctl agent into %s: %s\\n'%(w,e.strerror or e));sys.exit(3)\n"
     "shutil.rmtree(t,ignore_errors=True)\n"
     "def gone(n):\n"

@@ -57,6 +57,24 @@ BENCH_SERIES = ("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:gen_
                 "sglang:cuda_graph_passes_total", "sglang:realtime_tokens_total")
 
 
+
+
+def metric_lines(text: str, names=None) -> str:
+    """The sglang: series of a /metrics text with their TYPE lines, without histogram buckets (nobody here
+    reads them); only the series named in `names` when given (sample names, as BENCH_SERIES)."""
+    keep = []
+    for line in text.splitlines():
+        if line.startswith("sglang:"):
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name.endswith("_bucket") or name.endswith("_created"):
+                continue
+            if names is None or name in names:
+                keep.append(line)
+        elif line.startswith("# TYPE sglang:"):
+            keep.append(line)
+    return "\n".join(keep) + "\n"
+
+
 # --------------------------------------------------------------------------- server defaults and rules
 
 SPEC_DEFAULT_MAX_RUNNING = 48  # sglang's default --max-running-requests with speculative decoding

@@ -312,10 +312,10 @@ def test_disk_full_workdir_refuses_the_deploy_naming_the_disk(local_demo):
     workdir = Path(host.workdir)
     pristine = {p: p.read_bytes() for p in (Path(host.env["PYTHONPATH"]) / "sglang" / "srt").glob("*.py")}
     plan = core.plan_deploy(agent, host, 5)  # uploads the agent while there is room
-    agent_files = {p.name: p.read_bytes() for p in workdir.iterdir() if p.is_file()}
+    saved = workdir.parent / "agent-saved"
+    shutil.copytree(workdir / "agent", saved)
     with _mounted([["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(workdir)]], workdir):
-        for name, data in agent_files.items():
-            (workdir / name).write_bytes(data)
+        shutil.copytree(saved, workdir / "agent")
         filler = workdir / "filler"
         with open(filler, "wb") as f, pytest.raises(OSError):
             while True:

@@ -6,53 +6,11 @@ import asyncio
 import contextlib
 import json
 import random
-import re
 import time
 
+from dynctl import sglang
+
 VOCAB = range(1000, 20000)  # token ids every real vocabulary has
-
-_BENCH_GAUGES = {
-    "sglang:num_running_reqs": "running",
-    "sglang:num_queue_reqs": "queued",
-    "sglang:gen_throughput": "gen_throughput",
-    "sglang:spec_accept_length": "accept_length",
-    "sglang:spec_enabled": "spec_enabled",
-    "sglang:spec_disable_threshold": "threshold",
-    "sglang:spec_disabled_steps_total": "disabled_steps",
-    "sglang:generation_tokens_total": "generation_tokens",
-}
-_BENCH_LABEL = re.compile(r'(\w+)="([^"]*)"')
-_BENCH_REPLICA_LABELS = ("tp_rank", "pp_rank", "moe_ep_rank")  # ranks that repeat the same batch
-
-
-def bench_parse_metrics(text):
-    """The few sglang series bench samples, summed over DP ranks; decode steps per cuda-graph mode.
-
-    With --enable-metrics-for-all-schedulers every TP rank repeats the same batch: only rank 0 counts.
-    """
-    out = {}
-    for line in text.splitlines():
-        if not line.startswith("sglang:"):
-            continue
-        head, _, value = line.rpartition(" ")
-        name = head.split("{", 1)[0].strip()
-        try:
-            number = float(value)
-        except ValueError:
-            continue
-        labels = dict(_BENCH_LABEL.findall(head))
-        if any(labels.get(k, "0") != "0" for k in _BENCH_REPLICA_LABELS):
-            continue
-        if name == "sglang:cuda_graph_passes_total":
-            key = "passes_" + labels.get("mode", "unknown")
-        elif name == "sglang:realtime_tokens_total":
-            key = "tokens_" + labels.get("mode", "unknown")
-        else:
-            key = _BENCH_GAUGES.get(name)
-        if key is not None and number == number and abs(number) != float("inf"):  # NaN: "no value yet"
-            out[key] = out.get(key, 0.0) + number
-    return out
-
 
 async def read_head(reader):
     """Status, lower-cased headers and whether the server spoke HTTP/1.0 (no keep-alive)."""
@@ -321,7 +279,8 @@ class Level:
                     entry[0].transport.abort()
 
     async def _sample(self, edge=False):
-        """One /metrics scrape; `edge` ones are taken at the window's ends, for exact counter deltas."""
+        """One /metrics scrape (bench's series only); `edge` ones are taken at the window's ends, for exact
+        counter deltas."""
         if self.metrics_missing:
             return
         try:
@@ -336,8 +295,8 @@ class Level:
         if status != 200:
             self.metrics_note = "/metrics answered HTTP %d" % status
             return
-        sample = bench_parse_metrics(text)
-        sample["t"] = round(self.now(), 3)
+        # raw text: the client reads it with the same parser as every other /metrics
+        sample = {"t": round(self.now(), 3), "text": sglang.metric_lines(text, sglang.BENCH_SERIES)}
         if edge:
             sample["edge"] = 1
         self.samples.append(sample)
@@ -403,7 +362,7 @@ class Level:
         latest = self.samples[-1] if self.samples else {}
         return {"ok": True, "event": "tick", "phase": phase, "elapsed": round(self.now(), 3),
                 "warmup_done": self.warm_done, "completed": len(self.records), "failed": self.failed,
-                "running": latest.get("running"), "window_elapsed": round(self.now() - self.w0, 3)
+                "metrics": latest.get("text"), "window_elapsed": round(self.now() - self.w0, 3)
                 if self.w0 is not None else None}
 
     def result(self, cpu_s):

@@ -33,15 +33,7 @@ def _metrics(ctx, timeout):
         raw = httpclient.get("127.0.0.1", ctx.port, "/metrics", timeout, _METRICS_CAP).decode("utf-8", "replace")
     except httpclient.FAILURES as err:
         return {"ok": False, "error": httpclient.short(err)}
-    keep = []
-    for line in raw.splitlines():
-        if line.startswith("sglang:"):
-            name = line.split("{", 1)[0].split(" ", 1)[0]
-            if not (name.endswith("_bucket") or name.endswith("_created")):
-                keep.append(line)
-        elif line.startswith("# TYPE sglang:"):
-            keep.append(line)
-    return {"ok": True, "text": "\n".join(keep) + "\n", "ms": round((time.time() - t0) * 1000, 1)}
+    return {"ok": True, "text": sglang.metric_lines(raw), "ms": round((time.time() - t0) * 1000, 1)}
 
 
 def _loads(ctx, timeout):
@@ -75,7 +67,7 @@ def _server_info(ctx, timeout):
 
 
 class _ServerSampler:
-    """The server as locate_server decides it (ours, not ours, nobody), cheaply enough for every second.
+    """The server as servers.locate decides it (ours, not ours, nobody), cheaply enough for every second.
 
     The full decision walks /proc and the port's sockets, so it is taken again only when the pidfile
     changed, the process it named is gone, or a few seconds have passed; in between, the answer stands.
