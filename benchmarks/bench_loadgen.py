@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import os
 import resource
@@ -45,10 +44,10 @@ from dynctl.config import HostConfig  # noqa: E402
 
 
 def load_agent_module():
-    spec = importlib.util.spec_from_file_location("dynctl_agent_bench", ROOT / "remote" / "dynctl_agent.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    sys.path.insert(0, str(ROOT / "remote"))
+    from dynctl_agent import loadgen
+
+    return loadgen
 
 
 def cpu_self() -> float:
@@ -96,7 +95,7 @@ def run_inprocess(agent_mod, port: int, level_kw: dict) -> tuple[dict, float, fl
     cpu0, t0 = cpu_self(), time.monotonic()
 
     async def go():
-        level = agent_mod._BenchLevel("127.0.0.1", port, None, level_kw["concurrency"], level_kw["input_len"],
+        level = agent_mod.Level("127.0.0.1", port, None, level_kw["concurrency"], level_kw["input_len"],
                                       level_kw["output_len"], level_kw["duration"], None, level_kw["warmup"],
                                       0, 0.5, 300.0, 3600.0)
         await level.run()

@@ -25,35 +25,63 @@ from dynctl.transport.base import Transport
 PROTOCOL = 1
 _MISSING_RC = 97
 
-# Runs the uploaded agent if this exact version is present, else says so with exit 97: one round trip
-# per call in the common case, and no knowledge of the remote $HOME needed on this side.
-# Runs the agent's bytecode, compiled once at upload (agent-<hash>.pyc): compiling the agent costs more
-# than starting the interpreter, and the host may set PYTHONDONTWRITEBYTECODE.
+# Runs the agent unpacked under its hash if that version is present, else says so with exit 97: one round
+# trip per call in the common case, and no knowledge of the remote $HOME needed on this side. Its modules
+# were byte-compiled at upload (compiling costs more than starting the interpreter, and the host may set
+# PYTHONDONTWRITEBYTECODE), and each verb imports only its own.
 _BOOT = (
-    "import os,sys,types\n"
-    "w=os.path.expanduser(sys.argv[1]);p=os.path.join(w,'agent-'+sys.argv[2]+'.py')\n"
-    "if not os.path.isfile(p): sys.exit(97)\n"
-    "sys.argv=[p]\n"
-    "try:\n"
-    " from importlib.machinery import SourcelessFileLoader as L;c=L('__main__',p+'c').get_code('__main__')\n"
-    "except Exception:\n"
-    " c=compile(open(p,'rb').read(),p,'exec')\n"
-    "m=types.ModuleType('__main__');m.__file__=p;sys.modules['__main__']=m;exec(c,m.__dict__)\n"
+    "import os,sys\n"
+    "r=os.path.join(os.path.expanduser(sys.argv[1]),'agent',sys.argv[2])\n"
+    "if not os.path.isdir(r): sys.exit(97)\n"
+    "sys.path.insert(0,r);sys.argv=[r]\n"
+    "from dynctl_agent.verbs import main\n"
+    "sys.exit(main())\n"
 )
 
-# Writes the agent from stdin into workdir atomically (no SFTP: works through pct too).
+# Installs the archive from stdin (no SFTP: works through pct too): checked against its hash, unpacked
+# beside its place, compiled with the host's own interpreter, then renamed into workdir/agent/<hash> in
+# one step, so a concurrent upload or a dropped connection never leaves half an agent where _BOOT looks.
+# Copies beyond the newest few (and an hour old) are pruned, as are the one-file agents of older dynctls.
 _UPLOAD = (
-    "import os,sys\n"
-    "w=os.path.expanduser(sys.argv[1]);p=os.path.join(w,'agent-'+sys.argv[2]+'.py');t=p+'.tmp.%d'%os.getpid()\n"
+    "import compileall,hashlib,io,os,py_compile,shutil,sys,time,zipfile\n"
+    "w=os.path.expanduser(sys.argv[1]);h=sys.argv[2];a=os.path.join(w,'agent');d=os.path.join(a,h)\n"
+    "t=os.path.join(a,'.tmp-%s-%d'%(h,os.getpid()))\n"
+    "if sys.version_info<(3,9):\n"
+    " sys.stderr.write('the dynctl agent needs Python 3.9 or later; %s is %d.%d\\n'%(sys.executable,"
+    "sys.version_info[0],sys.version_info[1]));sys.exit(3)\n"
+    "data=sys.stdin.buffer.read()\n"
+    "if hashlib.sha256(data).hexdigest()[:16]!=h:\n"
+    " sys.stderr.write('the dynctl agent arrived damaged (%d bytes); nothing was written\\n'%len(data));sys.exit(3)\n"
+    "os.umask(0o077)\n"
     "try:\n"
-    " os.makedirs(w,0o700,exist_ok=True)\n"
-    " with open(t,'wb') as f: f.write(sys.stdin.buffer.read()); f.flush(); os.fsync(f.fileno())\n"
-    " os.chmod(t,0o600);os.replace(t,p)\n"
-    " import py_compile;py_compile.compile(p,cfile=p+'c',doraise=False)\n"
+    " os.makedirs(a,exist_ok=True)\n"
+    " if not os.path.isdir(d):\n"
+    "  zipfile.ZipFile(io.BytesIO(data)).extractall(t)\n"
+    "  if not compileall.compile_dir(t,quiet=2,invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH):\n"
+    "   raise OSError(0,'%s cannot compile it'%sys.executable)\n"
+    "  try: os.rename(t,d)\n"
+    "  except OSError:\n"
+    "   if not os.path.isdir(d): raise\n"
     "except OSError as e:\n"
-    " try: os.unlink(t)\n"
+    " shutil.rmtree(t,ignore_errors=True)\n"
+    " try: os.rmdir(a)\n"
     " except OSError: pass\n"
-    " sys.stderr.write('cannot write the dynctl agent into %s: %s\\n'%(w,e.strerror));sys.exit(3)\n"
+    " sys.stderr.write('cannot write the dynctl agent into %s: %s\\n'%(w,e.strerror or e));sys.exit(3)\n"
+    "shutil.rmtree(t,ignore_errors=True)\n"
+    "def gone(n):\n"
+    " try: os.kill(int(n.rsplit('-',1)[1]),0)\n"
+    " except ProcessLookupError: return True\n"
+    " except (OSError,ValueError): pass\n"
+    " return False\n"
+    "old=sorted((os.stat(os.path.join(a,n)).st_mtime,n) for n in os.listdir(a) if len(n)==16)[::-1][3:]\n"
+    "for m,n in old:\n"
+    " if n!=h and time.time()-m>3600: shutil.rmtree(os.path.join(a,n),ignore_errors=True)\n"
+    "for n in os.listdir(a):\n"
+    " if n.startswith('.tmp-') and gone(n): shutil.rmtree(os.path.join(a,n),ignore_errors=True)\n"
+    "for n in os.listdir(w):\n"
+    " if n.startswith('agent-') and (n.endswith(('.py','.pyc')) or '.py.tmp.' in n):\n"
+    "  try: os.unlink(os.path.join(w,n))\n"
+    "  except OSError: pass\n"
 )
 
 
@@ -103,7 +131,7 @@ class AgentClient:
     def upload(self) -> None:
         argv = [self.host.python, "-c", _UPLOAD, self.host.workdir, resources.agent_digest()]
         self.round_trips += 1
-        res = self.transport.run(argv, stdin=resources.agent_source(), timeout=self.timeout)
+        res = self.transport.run(argv, stdin=resources.agent_archive(), timeout=self.timeout)
         if res.rc == 127 or b"No such file" in res.err and not res.out:
             raise PreflightError(
                 f"{self.host.name}: python interpreter '{self.host.python}' not found "

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from dynctl import events, operations
+from dynctl import events, operations, sglang
 from dynctl.agent import AgentClient
 from dynctl.config import HostConfig
 from dynctl.errors import PreflightError
@@ -15,7 +15,7 @@ from dynctl.patching import parse_threshold, plan_patch, strategy_for
 from dynctl.patching.host import patch_state_from, plan_for_apply, read_patch_state
 from dynctl.patching.recipe import target_files
 
-THRESHOLD_FLAG = "--speculative-disable-batch-threshold"
+THRESHOLD_FLAG = sglang.THRESHOLD_FLAG
 BASELINE = "baseline"  # the rollback target that means: no release, the configured launch argv
 ADAPTIVE_CONFIG = "adaptive.json"
 # After the health gate the new server is watched this long; dying in that time rolls the deploy back.
@@ -102,8 +102,7 @@ def _already_deployed(dplan: DeployPlan, release: dict[str, Any] | None, info: d
     if info is None:
         return None
     if dplan.strategy == "patch":
-        states = info.get("internal_states") or [{}]
-        if states[0].get("speculative_disable_batch_threshold") != dplan.threshold:
+        if sglang.threshold_in_force(info) != dplan.threshold:
             return None
     return (f"release {release.get('id')} with threshold {dplan.threshold} is already in force and the server "
             f"is serving; nothing to do")

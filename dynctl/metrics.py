@@ -16,6 +16,8 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
+from dynctl import sglang
+
 
 class MetricsFormatError(ValueError):
     """Text that is not what the named source emits; the message says where."""
@@ -157,7 +159,7 @@ _TRANSITION = re.compile(
     r"(?: (?P<op>>|<=) threshold (?P<threshold>-?\d+)|, threshold off)"
 )
 # Its startup warnings when the threshold cannot act (check_threshold_args).
-_NOT_ARMED = re.compile(r"speculative_disable_batch_threshold=(?P<threshold>-?\d+) (?P<what>is not armed|never fires): (?P<reason>.*)")
+_NOT_ARMED = re.compile(sglang.THRESHOLD_KEY + r"=(?P<threshold>-?\d+) (?P<what>is not armed|never fires): (?P<reason>.*)")
 
 
 @dataclass(frozen=True)
@@ -273,17 +275,16 @@ def parse_threshold_warning(line: str, utc_offset: float | None = None) -> tuple
 
 # --------------------------------------------------------------------------- nvidia-smi
 
-GPU_QUERY = ("index", "uuid", "name", "utilization.gpu", "memory.used", "memory.total")
-APPS_QUERY = ("gpu_uuid", "pid", "process_name", "used_memory")
+GPU_QUERY = sglang.GPU_QUERY
+APPS_QUERY = sglang.APPS_QUERY
 
 
 def nvidia_smi_gpu_argv(loop_ms: int | None = None) -> list[str]:
-    argv = ["nvidia-smi", "--query-gpu=" + ",".join(GPU_QUERY), "--format=csv,noheader,nounits"]
-    return argv + (["-lms", str(loop_ms)] if loop_ms else [])
+    return sglang.gpu_query_argv() + (["-lms", str(loop_ms)] if loop_ms else [])
 
 
 def nvidia_smi_apps_argv() -> list[str]:
-    return ["nvidia-smi", "--query-compute-apps=" + ",".join(APPS_QUERY), "--format=csv,noheader,nounits"]
+    return sglang.apps_query_argv()
 
 
 # What nvidia-smi prints in place of a value it cannot give (driver-dependent spellings).

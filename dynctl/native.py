@@ -16,11 +16,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from dynctl import sglang
 from dynctl.errors import PreflightError, UsageError
 from dynctl.patching.versions import parse_threshold
 
 DEFAULT_CONFIG_NAME = "adaptive_spec.json"
-SPEC_DEFAULT_MAX_RUNNING = 48  # sglang's default --max-running-requests with speculative decoding
+SPEC_DEFAULT_MAX_RUNNING = sglang.SPEC_DEFAULT_MAX_RUNNING
 
 
 def spec_capture_batch_sizes(max_bs: int | None) -> list[int]:
@@ -28,10 +29,7 @@ def spec_capture_batch_sizes(max_bs: int | None) -> list[int]:
 
     With max_bs unknown (sglang sizes it from GPU memory at start) the list is not capped.
     """
-    top = max_bs if max_bs is not None else 4096
-    sizes = (list(range(1, 9)) + list(range(10, 33, 2)) + list(range(40, 65, 4))
-             + list(range(72, 257, 8)) + list(range(272, top + 1, 16)))
-    sizes = [bs for bs in sizes if bs <= top]
+    sizes = sglang.cuda_graph_batch_sizes(max_bs if max_bs is not None else 4096, speculative=True)
     if max_bs is not None and max_bs not in sizes:
         sizes.append(max_bs)
     return sorted(sizes)

@@ -1,4 +1,4 @@
-"""Files dynctl ships to hosts: the agent and the patch payload.
+"""Files dynctl ships to hosts: the agent (as one archive) and the patch payload.
 
 In a source checkout they live at the repository root (`remote/`, `patches/`); in a wheel they are
 packaged as `dynctl/_remote` and `dynctl/_patches`.
@@ -7,6 +7,8 @@ packaged as `dynctl/_remote` and `dynctl/_patches`.
 from __future__ import annotations
 
 import hashlib
+import io
+import zipfile
 from functools import cache
 from pathlib import Path
 
@@ -22,17 +24,44 @@ def _shipped_dir(checkout_name: str, wheel_name: str, marker: str) -> Path:
 
 
 def remote_dir() -> Path:
-    return _shipped_dir("remote", "_remote", "dynctl_agent.py")
+    """The folder that holds the agent package `dynctl_agent/` (put it on sys.path to import it)."""
+    return _shipped_dir("remote", "_remote", "dynctl_agent/__main__.py")
 
 
 def patches_dir() -> Path:
     return _shipped_dir("patches", "_patches", "spec_batch_threshold.py")
 
 
+# The agent imports dynctl.sglang as the client does; the archive carries that one module of the client.
+_CLIENT_PART = b'"""The part of the dynctl client that the host agent imports: dynctl.sglang."""\n'
+
+
+def agent_files(agent_dir: Path | None = None, sglang_file: Path | None = None) -> dict[str, bytes]:
+    """What the agent archive holds, by path inside it: the package's modules (no bytecode) and dynctl/sglang.py."""
+    agent_dir = agent_dir or remote_dir() / "dynctl_agent"
+    files = {f"dynctl_agent/{p.name}": p.read_bytes() for p in agent_dir.glob("*.py")}
+    files["dynctl/__init__.py"] = _CLIENT_PART
+    files["dynctl/sglang.py"] = (sglang_file or _PKG / "sglang.py").read_bytes()
+    return files
+
+
+def build_archive(files: dict[str, bytes]) -> bytes:
+    """One zip of `files`: the same contents give the same bytes whatever the checkout, file order or mtimes
+    (sorted names, a fixed date and mode, stored uncompressed so no zlib version changes a byte)."""
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as zf:
+        for name, data in sorted(files.items()):
+            info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
+            info.create_system = 3
+            info.external_attr = 0o100644 << 16
+            zf.writestr(info, data)
+    return buf.getvalue()
+
+
 @cache
-def agent_source() -> bytes:
-    return (remote_dir() / "dynctl_agent.py").read_bytes()
+def agent_archive() -> bytes:
+    return build_archive(agent_files())
 
 
 def agent_digest() -> str:
-    return hashlib.sha256(agent_source()).hexdigest()[:16]
+    return hashlib.sha256(agent_archive()).hexdigest()[:16]

@@ -12,6 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from dynctl import sglang
 from dynctl.metrics import (
     GpuStat,
     MetricsFormatError,
@@ -197,9 +198,9 @@ def build_snapshot(item: dict[str, Any], host: str, prev: HostSnapshot | None = 
 
     # The scheduler's own read-back first: the patch writes its gauge only on a decode step, so after a
     # live change on an idle server the gauge still shows the old value while /server_info has the new.
-    threshold = _first(_int_or_none(state_info.get("speculative_disable_batch_threshold")),
+    threshold = _first(_int_or_none(state_info.get(sglang.THRESHOLD_KEY)),
                        metrics.spec_threshold,
-                       _int_or_none(info.get("speculative_disable_batch_threshold")),
+                       _int_or_none(info.get(sglang.THRESHOLD_KEY)),
                        _int_or_none(release.get("threshold")) if up else None,
                        prev.threshold if same_run and prev else None)
     if idle and strategy == "patch" and threshold is not None and spec_configured and not spec_warning:

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from dynctl.agent import AgentClient, AgentError
+from dynctl.bench.stats import decode_samples
 from dynctl.config import HostConfig
 from dynctl.transport.local import Local
 
@@ -287,7 +288,8 @@ def test_server_restart_mid_level_is_counted_not_fatal(token_server):
     post = [r for r in result["records"] if not r.get("a") and r["s"] > ticks[0]["elapsed"]]
     assert post, "requests after the restart completed again"
     # the metrics counters went back to zero with the restart: the samples show the drop
-    steps = [s.get("passes_decode_cuda_graph", 0) + s.get("passes_decode_none", 0) for s in result["samples"]]
+    steps = [s.get("passes_decode_cuda_graph", 0) + s.get("passes_decode_none", 0)
+             for s in decode_samples(result["samples"])]
     assert any(b < a for a, b in zip(steps, steps[1:]))
 
 

@@ -13,7 +13,8 @@ from dynctl.bench.plan import BenchPlan, Mode, parse_concurrency, parse_goodput,
 from dynctl.bench.recommend import recommend
 from dynctl.bench.report import comparison_rows, level_cells, level_headers, write_json
 from dynctl.bench.runner import BenchResult, ModeRun
-from dynctl.bench.stats import counter_delta, describe, percentile, summarize_level, summarize_server
+from dynctl.bench.stats import (counter_delta, decode_samples, describe, percentile, read_sample, summarize_level,
+                                 summarize_server)
 from dynctl.errors import UsageError
 
 
@@ -95,6 +96,28 @@ def test_server_view_prefers_the_patch_counter():
     s2 = summarize_server(no_patch, 0.0, 2.0)
     assert s2["spec_on_source"] == "sglang:cuda_graph_passes_total" and s2["spec_on_share"] == pytest.approx(0.5)
     assert summarize_server([], 0, 1)["spec_on_share"] is None
+
+
+def test_a_sample_the_agent_sent_is_read_as_every_metrics_text():
+    """Raw /metrics text from the host: TP ranks repeat their DP rank's batch (one counts), DP ranks add up,
+    decode steps and tokens are kept per CUDA-graph mode, and a NaN gauge is no value."""
+    text = "\n".join([
+        "# TYPE sglang:num_running_reqs gauge",
+        'sglang:num_running_reqs{dp_rank="0",tp_rank="0"} 3.0',
+        'sglang:num_running_reqs{dp_rank="0",tp_rank="1"} 3.0',
+        'sglang:num_running_reqs{dp_rank="1",tp_rank="0"} 4.0',
+        "# TYPE sglang:spec_accept_length gauge",
+        "sglang:spec_accept_length NaN",
+        "# TYPE sglang:cuda_graph_passes_total counter",
+        'sglang:cuda_graph_passes_total{mode="decode_cuda_graph"} 120.0',
+        'sglang:cuda_graph_passes_total{mode="decode_none"} 7.0',
+        "# TYPE sglang:spec_disabled_steps_total counter",
+        "sglang:spec_disabled_steps_total 7.0",
+    ]) + "\n"
+    assert read_sample(text) == {"running": 7.0, "passes_decode_cuda_graph": 120.0, "passes_decode_none": 7.0,
+                                 "disabled_steps": 7.0}
+    assert decode_samples([{"t": 1.5, "text": text, "edge": 1}])[0]["edge"] == 1
+    assert read_sample("not prometheus {") == {}
 
 
 @pytest.mark.parametrize("text, fragment", [

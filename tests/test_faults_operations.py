@@ -312,10 +312,10 @@ def test_disk_full_workdir_refuses_the_deploy_naming_the_disk(local_demo):
     workdir = Path(host.workdir)
     pristine = {p: p.read_bytes() for p in (Path(host.env["PYTHONPATH"]) / "sglang" / "srt").glob("*.py")}
     plan = core.plan_deploy(agent, host, 5)  # uploads the agent while there is room
-    agent_files = {p.name: p.read_bytes() for p in workdir.iterdir() if p.is_file()}
+    saved = workdir.parent / "agent-saved"
+    shutil.copytree(workdir / "agent", saved)
     with _mounted([["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(workdir)]], workdir):
-        for name, data in agent_files.items():
-            (workdir / name).write_bytes(data)
+        shutil.copytree(saved, workdir / "agent")
         filler = workdir / "filler"
         with open(filler, "wb") as f, pytest.raises(OSError):
             while True:
@@ -417,7 +417,7 @@ def test_the_agent_refuses_a_relative_workdir_itself(tmp_path, monkeypatch):
     """Whatever a client sends: the host side does not guess which directory a relative workdir meant."""
     monkeypatch.chdir(tmp_path)
     request = {"protocol": 1, "verb": "releases", "params": {}, "host": {"workdir": "rel"}, "client": {}}
-    proc = subprocess.run([sys.executable, str(resources.remote_dir() / "dynctl_agent.py")],
+    proc = subprocess.run([sys.executable, "-m", "dynctl_agent"], env={**os.environ, "PYTHONPATH": str(resources.remote_dir())},
                           input=json.dumps(request), capture_output=True, text=True, timeout=60)
     answer = json.loads(proc.stdout.splitlines()[-1])
     assert proc.returncode == 2 and answer["kind"] == "usage" and "'rel' is relative" in answer["error"]

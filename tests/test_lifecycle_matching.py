@@ -2,20 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 from types import SimpleNamespace
 
 import pytest
 
-from dynctl import resources
-
-
-@pytest.fixture(scope="module")
-def agent():
-    spec = importlib.util.spec_from_file_location("dynctl_agent_matching", resources.remote_dir() / "dynctl_agent.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from dynctl_agent import servers as agent
 
 
 def ctx(port=30000, launch=("python3", "-m", "sglang.launch_server")):
@@ -33,21 +24,21 @@ def ctx(port=30000, launch=("python3", "-m", "sglang.launch_server")):
     (["sglang::scheduler_TP0"], False),
     ([], False),
 ])
-def test_sglang_launcher_on_our_port(agent, cmd, expected):
-    assert agent._lc_looks_like_server(ctx(), cmd) is expected
+def test_sglang_launcher_on_our_port(cmd, expected):
+    assert agent.looks_like_server(ctx(), cmd) is expected
 
 
-def test_configured_launch_is_recognised(agent):
+def test_configured_launch_is_recognised():
     demo = ctx(port=31000, launch=("/usr/bin/python3", "-m", "dynctl.sim"))
-    assert agent._lc_looks_like_server(demo, ["/usr/bin/python3", "-m", "dynctl.sim", "--port", "31000"])
-    assert not agent._lc_looks_like_server(demo, ["/usr/bin/python3", "-m", "dynctl.sim", "--port", "31001"])
+    assert agent.looks_like_server(demo, ["/usr/bin/python3", "-m", "dynctl.sim", "--port", "31000"])
+    assert not agent.looks_like_server(demo, ["/usr/bin/python3", "-m", "dynctl.sim", "--port", "31001"])
     script = ctx(port=31000, launch=("/opt/serve.sh",))
-    assert agent._lc_looks_like_server(script, ["/bin/bash", "/opt/serve.sh", "--port", "31000"])
+    assert agent.looks_like_server(script, ["/bin/bash", "/opt/serve.sh", "--port", "31000"])
 
 
-def test_recorded_argv_survives_a_shebang_but_not_another_program(agent):
+def test_recorded_argv_survives_a_shebang_but_not_another_program():
     argv = ["/opt/v/bin/sglang-serve", "--port", "30000"]
-    assert agent._lc_argv_matches(argv, argv)
-    assert agent._lc_argv_matches(["/opt/v/bin/python3", "/opt/v/bin/sglang-serve", "--port", "30000"], argv)
-    assert not agent._lc_argv_matches(["/usr/bin/sleep", "--port", "30000"], argv)
-    assert not agent._lc_argv_matches(["/opt/v/bin/sglang-serve", "--port", "30001"], argv)
+    assert agent.argv_matches(argv, argv)
+    assert agent.argv_matches(["/opt/v/bin/python3", "/opt/v/bin/sglang-serve", "--port", "30000"], argv)
+    assert not agent.argv_matches(["/usr/bin/sleep", "--port", "30000"], argv)
+    assert not agent.argv_matches(["/opt/v/bin/sglang-serve", "--port", "30001"], argv)

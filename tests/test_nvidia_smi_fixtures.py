@@ -2,24 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
-from dynctl import resources
 from dynctl.metrics import MetricsFormatError, parse_compute_apps_csv, parse_gpu_csv, parse_nvidia_smi_csv
+from dynctl_agent.nvidia import parse_compute_apps
 
 FIX = Path(__file__).parent / "fixtures" / "nvidia_smi"
 UUID = "GPU-6308ea44-dc94-b7d8-9744-960e07080844"
-
-
-@pytest.fixture(scope="module")
-def agent():
-    spec = importlib.util.spec_from_file_location("dynctl_agent_under_test", resources.remote_dir() / "dynctl_agent.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def fixture(name: str) -> str:
@@ -54,10 +45,10 @@ def test_header_output_is_not_mistaken_for_data():
         parse_gpu_csv(fixture("query_gpu_idle_with_header.txt"))
 
 
-def test_agent_reads_the_same_rows(agent):
+def test_agent_reads_the_same_rows():
     """The host agent's own stdlib parser (used by `server_stop` to wait for GPU release)."""
-    assert agent.parse_compute_apps(fixture("query_apps_idle.txt")) == {}
-    assert agent.parse_compute_apps(fixture("query_apps_one_process.txt")) == {759: 4706.0}
-    assert agent.parse_compute_apps(fixture("query_apps_two_processes.txt")) == {490: 4706.0, 538: 14.0}
-    assert agent.parse_compute_apps(fixture("query_apps_idle_with_header.txt")) == {}
-    assert agent.parse_compute_apps("GPU-x, 7, /usr/bin/python3 -c a,b, [N/A]\n") == {7: None}
+    assert parse_compute_apps(fixture("query_apps_idle.txt")) == {}
+    assert parse_compute_apps(fixture("query_apps_one_process.txt")) == {759: 4706.0}
+    assert parse_compute_apps(fixture("query_apps_two_processes.txt")) == {490: 4706.0, 538: 14.0}
+    assert parse_compute_apps(fixture("query_apps_idle_with_header.txt")) == {}
+    assert parse_compute_apps("GPU-x, 7, /usr/bin/python3 -c a,b, [N/A]\n") == {7: None}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from dynctl import sglang
 from dynctl.agent import AgentClient, AgentError
 from dynctl.bench.plan import Mode
 from dynctl.errors import OperationFailed, PreflightError, UsageError
@@ -47,7 +48,7 @@ class DeployRedeployer:
             return None
         deploy.rollback(self.agent, self.host, to=self.start_release, on_event=self.on_event or events.ignore)
         info = self.agent.call("server_info")["info"] or {}
-        return (info.get("internal_states") or [{}])[0].get("speculative_disable_batch_threshold")
+        return sglang.threshold_in_force(info)
 
     def redeploy(self, threshold: int) -> int:
         from dynctl import deploy, events

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from dynctl import sglang
 from dynctl.bench.plan import Mode
 
 MIN_GAIN_PCT = 1.0
@@ -82,7 +83,7 @@ def recommend(runs: Sequence[_Run]) -> dict[str, Any] | None:
     return {
         "threshold": threshold,
         "crossover": {"last_spec_win": threshold or None, "first_no_spec_win": first_loss},
-        "flag": f"--speculative-disable-batch-threshold {threshold}",
+        "flag": f"{sglang.THRESHOLD_FLAG} {threshold}",
         "levels": rows,
         "thresholds_measured": {str(t): v for t, v in sorted(measured.items())},
         "notes": notes,

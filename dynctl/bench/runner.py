@@ -22,7 +22,7 @@ from dynctl.bench.events import (
 from dynctl.bench.modes import ModeSwitcher, NoRedeploy, Redeployer
 from dynctl.bench.plan import BenchPlan, Mode
 from dynctl.bench.recommend import recommend
-from dynctl.bench.stats import summarize_level
+from dynctl.bench.stats import read_sample, summarize_level
 from dynctl.errors import DynctlError, Interrupted, UnreachableError, UsageError
 
 LOADGEN_CPU_WARN = 80.0  # % of one core: above it the generator, not the server, may set the pace
@@ -162,7 +162,7 @@ def _measure_level(agent: AgentClient, host: str, plan: BenchPlan, mode: Mode, c
                     on_event(LevelProgress(mode, concurrency, item.get("phase", "?"),
                                            float(item.get("elapsed", 0)), item.get("window_elapsed"),
                                            int(item.get("completed", 0)), int(item.get("failed", 0)),
-                                           item.get("running")))
+                                           read_sample(item.get("metrics") or "").get("running")))
                 elif item.get("event") == "level":
                     raw = item
     except AgentError as err:

@@ -17,6 +17,8 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from dynctl.metrics import MetricsFormatError, parse_prometheus, pick_samples
+
 PERCENTILES = (50, 90, 99)
 
 
@@ -86,7 +88,7 @@ def summarize_level(raw: Mapping[str, Any], *, input_len: int, duration_mode: bo
     }
     for name, values in (("ttft", ttfts), ("tpot", tpots), ("itl", itls), ("e2el", e2els)):
         level.update(describe(name, values))
-    server = summarize_server(raw.get("samples") or [], w0, w1)
+    server = summarize_server(decode_samples(raw.get("samples") or []), w0, w1)
     level["accept_length"] = server.get("accept_length")
     level["server"] = server
     level["errors"] = dict(raw.get("errors") or {})
@@ -127,6 +129,53 @@ def counter_delta(values: Sequence[float]) -> float:
     for a, b in zip(values, values[1:]):
         total += b - a if b >= a else b
     return total
+
+
+# sample name -> key of a bench sample (counters per mode get "passes_<mode>" and "tokens_<mode>")
+_SAMPLE_KEYS = {
+    "sglang:num_running_reqs": "running",
+    "sglang:num_queue_reqs": "queued",
+    "sglang:gen_throughput": "gen_throughput",
+    "sglang:spec_accept_length": "accept_length",
+    "sglang:spec_enabled": "spec_enabled",
+    "sglang:spec_disable_threshold": "threshold",
+    "sglang:spec_disabled_steps_total": "disabled_steps",
+    "sglang:generation_tokens_total": "generation_tokens",
+}
+_PER_MODE = {"sglang:cuda_graph_passes_total": "passes_", "sglang:realtime_tokens_total": "tokens_"}
+
+
+def read_sample(text: str) -> dict[str, float]:
+    """The values bench needs from one /metrics text the agent sampled: summed over DP ranks (one TP rank
+    each, as everywhere), decode steps and tokens per CUDA-graph mode; series without a value left out."""
+    out: dict[str, float] = {}
+    try:
+        by_name = parse_prometheus(text)
+    except MetricsFormatError:
+        return out
+    for name, samples in by_name.items():
+        key = _SAMPLE_KEYS.get(name)
+        if key is None and name not in _PER_MODE:
+            continue
+        for sample in pick_samples(samples):
+            value = float(sample.value)
+            if not math.isfinite(value):  # NaN: "no value yet"
+                continue
+            k = key or _PER_MODE[name] + sample.labels.get("mode", "unknown")
+            out[k] = out.get(k, 0.0) + value
+    return out
+
+
+def decode_samples(raw: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The level's samples as the agent sent them ({"t", "text", "edge"?}) -> read_sample values with t/edge."""
+    out = []
+    for s in raw:
+        sample: dict[str, Any] = read_sample(s.get("text") or "")
+        sample["t"] = s["t"]
+        if s.get("edge"):
+            sample["edge"] = 1
+        out.append(sample)
+    return out
 
 
 def summarize_server(samples: Sequence[Mapping[str, Any]], w0: float, w1: float) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
 
-from dynctl import resources
+from dynctl import resources, sglang
 
 PACKAGE_PREFIX = "srt/"
 SERVER_ARGS = "srt/server_args.py"
@@ -24,7 +24,7 @@ NEW_MODULE = "srt/speculative/spec_batch_threshold.py"
 # Names only the patch brings into these files: their presence outside our fragments means a
 # file was patched and then edited.
 FEATURE_TOKENS = (
-    "speculative_disable_batch_threshold", "spec_batch_threshold", "_skip_speculation",
+    sglang.THRESHOLD_KEY, "spec_batch_threshold", "_skip_speculation",
     "_forward_batch_generation_no_spec", "_spec_disable_",
 )
 

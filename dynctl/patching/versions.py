@@ -5,20 +5,13 @@ from __future__ import annotations
 import re
 
 from dynctl.errors import PreflightError, UsageError
+from dynctl.sglang import parse_version
 
 SUPPORTED = "patch for sglang 0.5.6–0.5.12, native adaptive config for sglang ≥ 0.5.14"
 MAX_THRESHOLD = 1_000_000
 
-_RELEASE = re.compile(r"^(\d+)\.(\d+)\.(\d+)(?:\.post\d+)?$")
-
 # Releases whose eagle_worker_v2 needs its own small compat methods (see patches/README.md).
 _VARIANTS = {6: "0.5.6", 7: "0.5.7", 8: "0.5.8", 9: "0.5.8", 10: "0.5.8", 11: "0.5.8", 12: "0.5.12"}
-
-
-def parse_version(version: str) -> tuple[int, int, int] | None:
-    """(major, minor, patch) of a final release (`.postN` allowed), else None."""
-    m = _RELEASE.match(str(version).strip())
-    return (int(m.group(1)), int(m.group(2)), int(m.group(3))) if m else None
 
 
 def strategy_for(version: str) -> str:

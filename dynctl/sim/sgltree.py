@@ -11,12 +11,13 @@ from __future__ import annotations
 import ast
 import importlib.machinery
 import importlib.util
-import re
 import sys
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+
+from dynctl import sglang
 
 POLICY_MODULE = "sglang.srt.speculative.spec_batch_threshold"
 POLICY_FILE = "srt/speculative/spec_batch_threshold.py"
@@ -64,32 +65,19 @@ class SglangTree:
 
 
 def locate_sglang() -> SglangTree:
-    # find_spec on a top-level name locates the package without executing its __init__.
-    spec = importlib.util.find_spec("sglang")
-    if spec is None or not spec.submodule_search_locations:
+    found = sglang.find_installed()
+    if found is None:
         raise TreeMissing("No module named 'sglang'")
-    package_dir = Path(next(iter(spec.submodule_search_locations))).resolve()
+    package_dir = Path(found["package_dir"]).resolve()
     return SglangTree(package_dir=package_dir, version=read_version(package_dir))
 
 
 def read_version(package_dir: Path) -> str:
-    """The version sglang reports (`sglang.version.__version__`), else its dist-info's."""
-    version_py = package_dir / "version.py"
-    if version_py.is_file():
-        m = re.search(r"""^__version__\s*=\s*["']([^"']+)["']""", version_py.read_text(encoding="utf-8"), re.M)
-        if m:
-            return m.group(1)
-    for info in sorted(package_dir.parent.glob("sglang-*.dist-info")):
-        metadata = info / "METADATA"
-        if metadata.is_file():
-            m = re.search(r"^Version:\s*(\S+)", metadata.read_text(encoding="utf-8", errors="replace"), re.M)
-            if m:
-                return m.group(1)
-    return "unknown"
+    """The version sglang's dist-info (else its source) declares, as the host agent reads it."""
+    return sglang.installed_version(str(package_dir)) or "unknown"
 
 
-def version_tuple(version: str) -> tuple[int, ...]:
-    return tuple(int(p) for p in re.findall(r"\d+", version)[:3])
+version_tuple = sglang.version_tuple
 
 
 # ---------------------------------------------------------------------------------------- import checks

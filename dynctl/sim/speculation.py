@@ -23,9 +23,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from dynctl import sglang
 from dynctl.sim.costmodel import PLAIN, SKIP, SPECULATE
 
-THRESHOLD_ARG = "speculative_disable_batch_threshold"
+THRESHOLD_ARG = sglang.THRESHOLD_KEY
 
 
 @dataclass(frozen=True)
@@ -47,11 +48,8 @@ def captured_batch_sizes(args: dict[str, Any]) -> list[int]:
         sizes = list(args["cuda_graph_bs"])
     elif args.get("disable_cuda_graph_padding"):
         sizes = list(range(1, max_bs + 1))
-    elif args.get("speculative_algorithm") is None:
-        sizes = [1, 2, 4, 8, 12] + list(range(16, 257, 8)) + list(range(272, 512, 16)) + list(range(512, max_bs + 1, 32))
     else:
-        sizes = (list(range(1, 9)) + list(range(10, 33, 2)) + list(range(40, 65, 4)) + list(range(72, 257, 8))
-                 + list(range(272, max_bs + 1, 16)))
+        sizes = sglang.cuda_graph_batch_sizes(max_bs, speculative=args.get("speculative_algorithm") is not None)
     sizes = [bs for bs in sizes if bs <= max_bs]
     pool = args.get("max_running_requests")
     if pool:

@@ -1,0 +1,162 @@
+"""What dynctl knows about SGLang, in one place: names, endpoints, rules it copies from sglang's source.
+
+Used by the client, the simulator and the host agent (the agent's archive carries this file as
+`dynctl/sglang.py`), so it is stdlib only and runs on the agent's oldest interpreter (Python 3.9).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+# --------------------------------------------------------------------------- the threshold
+
+THRESHOLD_FLAG = "--speculative-disable-batch-threshold"
+THRESHOLD_KEY = "speculative_disable_batch_threshold"  # server_args field and internal_states key
+ADAPTIVE_FLAG = "--speculative-adaptive"
+ADAPTIVE_CONFIG_FLAG = "--speculative-adaptive-config"
+
+LAUNCH_MODULE = "sglang.launch_server"
+DEFAULT_PORT = 30000  # what sglang listens on without --port
+
+# /server_info was /get_server_info before the rename; a server answers one of them.
+SERVER_INFO_PATHS = ("/server_info", "/get_server_info")
+SET_INTERNAL_STATE = "/set_internal_state"
+LOADS_PATH = "/v1/loads?include=core"  # sglang >= 0.5.8: the scheduler's batch right now
+
+
+def set_threshold_body(threshold: int) -> dict:
+    """The /set_internal_state request that changes the threshold (the patch puts it in the allow-list)."""
+    return {"server_args": {THRESHOLD_KEY: threshold}}
+
+
+def thresholds_in_force(info: dict) -> list:
+    """The threshold each scheduler reports in /server_info internal_states (runtime updates land there;
+    the top-level key is the launch copy); empty on a server that is not patched."""
+    states = (info or {}).get("internal_states") or []
+    return [s.get(THRESHOLD_KEY) for s in states if isinstance(s, dict) and THRESHOLD_KEY in s]
+
+
+def threshold_in_force(info: dict):
+    found = thresholds_in_force(info)
+    return found[0] if found else None
+
+
+# /server_info keys the live view shows, and the first scheduler's internal_states it reads
+SERVER_INFO_KEYS = ("version", "model_path", "served_model_name", "tp_size", "dp_size", "enable_dp_attention",
+                    "speculative_algorithm", "speculative_num_steps", "speculative_eagle_topk",
+                    "speculative_num_draft_tokens", THRESHOLD_KEY, "speculative_adaptive",
+                    "max_running_requests", "disable_overlap_schedule")
+INTERNAL_STATE_KEYS = (THRESHOLD_KEY, "avg_spec_accept_length", "last_gen_throughput",
+                       "effective_max_running_requests_per_dp")
+
+# /metrics series bench samples during a level (sample names, counters with their _total)
+BENCH_SERIES = ("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:gen_throughput",
+                "sglang:spec_accept_length", "sglang:spec_enabled", "sglang:spec_disable_threshold",
+                "sglang:spec_disabled_steps_total", "sglang:generation_tokens_total",
+                "sglang:cuda_graph_passes_total", "sglang:realtime_tokens_total")
+
+
+
+
+def metric_lines(text: str, names=None) -> str:
+    """The sglang: series of a /metrics text with their TYPE lines, without histogram buckets (nobody here
+    reads them); only the series named in `names` when given (sample names, as BENCH_SERIES)."""
+    keep = []
+    for line in text.splitlines():
+        if line.startswith("sglang:"):
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name.endswith("_bucket") or name.endswith("_created"):
+                continue
+            if names is None or name in names:
+                keep.append(line)
+        elif line.startswith("# TYPE sglang:"):
+            keep.append(line)
+    return "\n".join(keep) + "\n"
+
+
+# --------------------------------------------------------------------------- server defaults and rules
+
+SPEC_DEFAULT_MAX_RUNNING = 48  # sglang's default --max-running-requests with speculative decoding
+
+
+def cuda_graph_batch_sizes(max_bs: int, speculative: bool) -> list:
+    """The decode batch sizes sglang captures CUDA graphs for, up to max_bs
+    (ServerArgs._generate_cuda_graph_batch_sizes: a finer grid when speculating)."""
+    if speculative:
+        sizes = (list(range(1, 9)) + list(range(10, 33, 2)) + list(range(40, 65, 4)) + list(range(72, 257, 8))
+                 + list(range(272, max_bs + 1, 16)))
+    else:
+        sizes = [1, 2, 4, 8, 12] + list(range(16, 257, 8)) + list(range(272, 512, 16)) + list(range(512, max_bs + 1, 32))
+    return [bs for bs in sizes if bs <= max_bs]
+
+
+# --------------------------------------------------------------------------- versions and installs
+
+_RELEASE = re.compile(r"^(\d+)\.(\d+)\.(\d+)(?:\.post\d+)?$")
+
+
+def parse_version(version: str):
+    """(major, minor, patch) of a final release (`.postN` allowed), else None."""
+    m = _RELEASE.match(str(version).strip())
+    return (int(m.group(1)), int(m.group(2)), int(m.group(3))) if m else None
+
+
+def version_tuple(version: str) -> tuple:
+    """The leading numbers of any version string, for ordering (`0.5.14rc1` -> (0, 5, 14))."""
+    return tuple(int(p) for p in re.findall(r"\d+", version)[:3])
+
+
+def installed_version(package_dir: str):
+    """The version of the sglang package at package_dir: its dist-info's, else the one its source declares."""
+    parent = os.path.dirname(package_dir)
+    try:
+        infos = sorted(n for n in os.listdir(parent) if n.startswith("sglang-") and n.endswith(".dist-info"))
+    except OSError:
+        infos = []
+    for name in infos:
+        try:
+            with open(os.path.join(parent, name, "METADATA"), encoding="utf-8", errors="replace") as f:
+                m = re.search(r"^Version:\s*(\S+)", f.read(), re.M)
+        except OSError:
+            continue
+        if m:
+            return m.group(1)
+    for source in ("version.py", "_version.py"):
+        try:
+            with open(os.path.join(package_dir, source), encoding="utf-8") as f:
+                m = re.search(r"^(?:__version__|version)\s*(?::\s*str\s*)?=\s*['\"]([^'\"]+)['\"]", f.read(), re.M)
+        except OSError:
+            continue
+        if m:
+            return m.group(1)
+    return None
+
+
+def find_installed():
+    """{"package_dir", "version"} of the sglang this interpreter would import, or None; sglang is not imported
+    (find_spec on a top-level name locates the package without running its __init__)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    package_dir = list(spec.submodule_search_locations)[0]
+    return {"version": installed_version(package_dir), "package_dir": package_dir}
+
+
+# --------------------------------------------------------------------------- nvidia-smi
+
+# The index first: a looping query's output is cut into one block per period where it starts over.
+GPU_QUERY = ("index", "uuid", "name", "utilization.gpu", "memory.used", "memory.total")
+# uuid and pid before the process name, which may hold commas
+APPS_QUERY = ("gpu_uuid", "pid", "process_name", "used_memory")
+CSV_FORMAT = "--format=csv,noheader,nounits"
+
+
+def gpu_query_argv(smi: str = "nvidia-smi") -> list:
+    return [smi, "--query-gpu=" + ",".join(GPU_QUERY), CSV_FORMAT]
+
+
+def apps_query_argv(smi: str = "nvidia-smi") -> list:
+    return [smi, "--query-compute-apps=" + ",".join(APPS_QUERY), CSV_FORMAT]

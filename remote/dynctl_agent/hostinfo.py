@@ -1,0 +1,99 @@
+"""The host as the server's interpreter sees it: its environment, sglang's location, workdir and port."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+
+from dynctl import sglang
+from dynctl_agent import procfs
+from dynctl_agent.protocol import AgentError
+
+def server_env(ctx):
+    """The host's environment plus the configured `env`; values may refer to $VARS of the host."""
+    env = dict(os.environ)
+    for key, value in ctx.env.items():
+        env[key] = os.path.expandvars(value)
+    return env
+
+
+def run_python(ctx, code, *args, timeout=60):
+    """Run a snippet with the server's interpreter and environment; returns (rc, out, err)."""
+    try:
+        proc = subprocess.run(
+            [ctx.python, "-c", code] + [str(a) for a in args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=server_env(ctx),
+            stdin=subprocess.DEVNULL,
+        )
+    except FileNotFoundError:
+        raise AgentError("python interpreter %s not found on %s" % (ctx.python, ctx.name), "preflight")
+    except PermissionError:
+        raise AgentError("python interpreter %s is not executable on %s" % (ctx.python, ctx.name), "preflight")
+    except subprocess.TimeoutExpired:
+        raise AgentError("%s did not answer within %ss" % (ctx.python, timeout), "failed")
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+# Runs in the server's interpreter, which need not be the agent's: loads dynctl/sglang.py by its path
+# (compiled beside it at upload) and asks it where sglang is, without importing sglang.
+_FIND_SGLANG = (
+    "import importlib.util as u,json,sys\n"
+    "s=u.spec_from_file_location('dynctl_sglang',sys.argv[1]);m=u.module_from_spec(s);s.loader.exec_module(m)\n"
+    "print(json.dumps({'python':sys.executable,'python_version':'%d.%d.%d'%sys.version_info[:3],"
+    "'sglang':m.find_installed()}))\n"
+)
+
+
+def find_sglang(ctx):
+    """{"python", "python_version", "sglang": {"version", "package_dir"} or None} of the server's interpreter."""
+    rc, out, err = run_python(ctx, _FIND_SGLANG, sglang.__file__)
+    if rc != 0:
+        raise AgentError("%s failed while looking for sglang: %s" % (ctx.python, err.strip()[-500:]), "preflight")
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def nvidia_smi_path(ctx):
+    return shutil.which("nvidia-smi", path=server_env(ctx).get("PATH"))
+
+
+def inspect_host(ctx, **_):
+    found = find_sglang(ctx)
+    try:
+        usage = shutil.disk_usage(ctx.workdir if os.path.isdir(ctx.workdir) else os.path.dirname(ctx.workdir) or "/")
+        free = usage.free
+    except OSError:
+        free = None
+    workdir = {
+        "path": ctx.workdir,
+        "exists": os.path.isdir(ctx.workdir),
+        "writable": os.access(ctx.workdir, os.W_OK) if os.path.isdir(ctx.workdir) else _creatable(ctx.workdir),
+        "free_bytes": free,
+    }
+    listeners = [{"pid": pid, "cmdline": procfs.cmdline(pid)} for pid in procfs.listening_pids(ctx.port)]
+    return {
+        "hostname": socket.gethostname(),
+        "python": found["python"],
+        "python_version": found["python_version"],
+        "sglang": found["sglang"],
+        "workdir": workdir,
+        "nvidia_smi": nvidia_smi_path(ctx),
+        "psutil": procfs.psutil is not None,
+        "port": ctx.port,
+        "port_listeners": listeners,
+        "port_in_use": bool(listeners) or procfs.port_in_use(ctx.port),
+        "agent_pid": os.getpid(),
+    }
+
+
+def _creatable(path):
+    parent = os.path.dirname(path.rstrip("/")) or "/"
+    while not os.path.isdir(parent) and parent != "/":
+        parent = os.path.dirname(parent)
+    return os.access(parent, os.W_OK)
+

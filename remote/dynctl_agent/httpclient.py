@@ -1,0 +1,93 @@
+"""HTTP to the server on this host: straight to its address with http.client, never through a proxy.
+
+urllib would honour http_proxy from the host's environment and send a request for 127.0.0.1 to the proxy
+(no_proxy is often unset), so a healthy server would look dead to a deploy's read-back.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+
+from dynctl import sglang
+
+
+class HTTPError(OSError):
+    """The server answered, with a status other than 200."""
+
+    def __init__(self, status, path):
+        reason = http.client.responses.get(status, "")
+        super().__init__("%s answered HTTP %d %s" % (path, status, reason))
+        self.status, self.reason = status, reason
+
+
+# what a request to a server that is down, restarting or not an HTTP server raises
+FAILURES = (OSError, http.client.HTTPException, ValueError)
+
+
+def request(host, port, method, path, body=None, timeout=5.0, cap=None):
+    """(status, body bytes, at most cap of them); raises one of FAILURES when nothing sensible came back."""
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        headers = {"Content-Type": "application/json"} if body is not None else {}
+        conn.request(method, path, body=json.dumps(body).encode() if body is not None else None, headers=headers)
+        resp = conn.getresponse()
+        return resp.status, resp.read() if cap is None else resp.read(cap)
+    finally:
+        conn.close()
+
+
+def get(host, port, path, timeout, cap=None):
+    """The body of a GET that answered 200; HTTPError otherwise."""
+    status, data = request(host, port, "GET", path, timeout=timeout, cap=cap)
+    if status != 200:
+        raise HTTPError(status, path)
+    return data
+
+
+def get_json(host, port, path, timeout, cap=None):
+    return json.loads(get(host, port, path, timeout, cap).decode("utf-8", "replace"))
+
+
+def post_json(host, port, path, body, timeout):
+    status, data = request(host, port, "POST", path, body=body, timeout=timeout)
+    if status != 200:
+        raise HTTPError(status, path)
+    return data
+
+
+def server_info(host, port, timeout, cap=None):
+    """/server_info as a dict, from whichever of its names the server answers to."""
+    first, older = sglang.SERVER_INFO_PATHS
+    try:
+        return get_json(host, port, first, timeout, cap)
+    except HTTPError as err:
+        if err.status != 404:
+            raise
+        return get_json(host, port, older, timeout, cap)
+
+
+def is_refused(err):
+    """Nothing listens there: the request was never sent."""
+    return isinstance(err, ConnectionRefusedError)
+
+
+def describe(err, timeout=None):
+    """What went wrong with one request, in words ("answered HTTP 500 ...", "got no answer within 10 s")."""
+    if isinstance(err, HTTPError):
+        return "answered HTTP %d %s" % (err.status, err.reason)
+    if isinstance(err, (socket.timeout, TimeoutError)):  # distinct classes before Python 3.10
+        return "got no answer within %g s" % timeout if timeout is not None else "timed out"
+    if isinstance(err, OSError) and err.strerror:
+        return "failed: %s" % err.strerror
+    return "failed: %s" % (err or type(err).__name__)
+
+
+def short(err):
+    """A few words for the live view: "HTTP 404", "timed out", "Connection refused"."""
+    if isinstance(err, HTTPError):
+        return "HTTP %d" % err.status
+    if isinstance(err, (socket.timeout, TimeoutError)):
+        return "timed out"
+    return str(getattr(err, "strerror", None) or err or type(err).__name__)

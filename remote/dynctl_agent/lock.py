@@ -1,0 +1,100 @@
+"""One operation at a time per host: the host lock in workdir, and the signal shields around transactions."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import time
+
+from dynctl_agent import procfs, store
+from dynctl_agent.protocol import AgentError
+
+@contextlib.contextmanager
+def host_lock(ctx, operation, op=None):
+    """One operation per host: workdir/lock names the holder; a dead holder's lock is taken over.
+
+    Re-entrant for the process that holds it: an operation worker runs verbs that take the lock themselves.
+    """
+    ctx.ensure_workdir()
+    path = ctx.path("lock")
+    held = store.read_json(path) or {}
+    if held.get("pid") == os.getpid() and held.get("pid_start") == procfs.start_time(os.getpid()):
+        yield held
+        return
+    me = {
+        "operation": operation,
+        "who": ctx.who,
+        "client_host": ctx.client.get("hostname"),
+        "pid": os.getpid(),
+        "pid_start": procfs.start_time(os.getpid()),
+        "started": store.now_iso(),
+        "op": op,
+    }
+    for _ in range(3):
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            holder = store.read_json(path)
+            if holder is None:  # being written right now, or garbage: look again
+                time.sleep(0.05)
+                holder = store.read_json(path) or {}
+            if procfs.holder_alive(holder):
+                raise AgentError(
+                    "host is busy: %s by %s (pid %s on %s) since %s"
+                    % (holder.get("operation"), holder.get("who"), holder.get("pid"), ctx.name, holder.get("started")),
+                    "busy",
+                    holder=holder,
+                )
+            store.journal(ctx, "lock.takeover", previous=holder)
+            me["took_over"] = holder  # the caller warns: an operation died holding the host
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            continue
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(me, f)
+        except OSError as err:  # a full disk: an empty lock would read as "being written" to the next one
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            raise AgentError("cannot write the host lock %s: %s; nothing was changed" % (path, err.strerror or err),
+                             "preflight")
+        break
+    else:
+        raise AgentError("could not take the host lock %s" % path, "busy")
+    try:
+        yield me
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            if (store.read_json(path) or {}).get("pid") == os.getpid():
+                os.unlink(path)
+
+
+@contextlib.contextmanager
+def signals_deferred():
+    """Hold SIGHUP, SIGTERM and SIGINT until the block ends: a few steps that must happen together (claim an
+    operation, take the lock, start its worker, hand the lock over) are not cut in two by a dropped
+    connection; a signal that came meanwhile is delivered afterwards."""
+    held = {signal.SIGHUP, signal.SIGTERM, signal.SIGINT}
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+@contextlib.contextmanager
+def hangup_shield():
+    """A dropped SSH channel must not interrupt a transaction half way: SIGHUP is ignored meanwhile."""
+    old = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGHUP, old)
+
+
+def live_holder(ctx):
+    """The lock's holder while its process runs, else None."""
+    holder = store.read_json(ctx.path("lock"))
+    return holder if holder and procfs.holder_alive(holder) else None

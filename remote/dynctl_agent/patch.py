@@ -1,0 +1,337 @@
+"""The patch as one transaction: apply a release (validate, back up, swap) and revert one byte for byte."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import stat
+
+from dynctl_agent import hostinfo, lock, releases, sgltree, store
+from dynctl_agent.protocol import AgentError
+
+def patch_read(ctx, files=(), **_):
+    """The sglang found on the host, the text and sha256 of `files`, RECORD hashes, and the releases."""
+    found = sgltree.installed(ctx)
+    package_dir = found["sglang"]["package_dir"]
+    out = {}
+    for rel in files:
+        path = sgltree.target_path(package_dir, rel)
+        link = sgltree.symlink_on_path(package_dir, rel)
+        if not os.path.isfile(path):
+            out[rel] = None if link is None else {"text": None, "sha256": None, "symlink": link}
+            continue
+        with open(path, "rb") as f:
+            data = f.read()
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise AgentError("%s is not UTF-8 (byte %d)" % (path, err.start), "preflight")
+        out[rel] = {"text": text, "sha256": hashlib.sha256(data).hexdigest(), "symlink": link}
+    manifests = releases.manifests(ctx)
+    current = releases.current(ctx)
+    return {
+        "python": found["python"],
+        "python_version": found["python_version"],
+        "sglang": found["sglang"],
+        "files": out,
+        "record": sgltree.record_hashes(package_dir, files),
+        "current": current,
+        "release": next((m for m in manifests if m["id"] == current), None),
+        "incomplete": [m["id"] for m in manifests if m.get("state") == "applying"],
+    }
+
+
+def apply_release(ctx, files, sglang_version, strategy="patch", threshold=None, launch_argv=None,
+                  artifacts=None, import_check_timeout=300.0):
+    """Swap in new file texts as one transaction and record a release (caller holds the host lock).
+
+    files: [{path, sha256_before, sha256_after, text}] (paths relative to the sglang package).
+    Order: preflight → candidates written next to targets → py_compile with the host's python →
+    originals backed up → manifest (state applying) → os.replace each → stale __pycache__ dropped →
+    import check → manifest (state applied) and `current`. A failure before the swap changes nothing
+    and leaves no release directory; a failure after it restores every original first.
+    """
+    found = sgltree.installed(ctx)
+    package_dir = found["sglang"]["package_dir"]
+    if found["sglang"]["version"] != sglang_version:
+        raise AgentError("sglang here is %s, but the plan was made for %s; plan again"
+                         % (found["sglang"]["version"], sglang_version), "preflight")
+    ctx.ensure_workdir()
+    os.makedirs(releases.root(ctx), mode=0o700, exist_ok=True)
+    incomplete = [m["id"] for m in releases.manifests(ctx) if m.get("state") == "applying"]
+    if incomplete:
+        raise AgentError(releases.interrupted_message(incomplete[0]), "preflight")
+    for name in artifacts or {}:
+        if not releases.ARTIFACT.match(name) or name in ("manifest.json", "orig"):
+            raise AgentError("bad release artifact name %r" % (name,), "usage")
+
+    # -- preflight: every target as the plan saw it, none reached through a symlink
+    entries = []
+    for item in files:
+        rel = item["path"]
+        target = sgltree.target_path(package_dir, rel)
+        link = sgltree.symlink_on_path(package_dir, rel)
+        if link is not None:
+            raise AgentError("%s is a symlink (to %s): refusing to patch through it; nothing was changed"
+                             % (link, os.path.realpath(link)), "preflight")
+        now = sgltree.sha_or_none(target)
+        if now != item["sha256_before"]:
+            raise AgentError("%s changed since it was read (sha256 %s, expected %s); nothing was changed"
+                             % (target, now, item["sha256_before"]), "preflight")
+        data = item["text"].encode("utf-8")
+        if hashlib.sha256(data).hexdigest() != item["sha256_after"]:
+            raise AgentError("%s: the new text does not match its sha256_after" % rel, "usage")
+        entries.append({"path": rel, "target": target, "data": data, "sha256_before": item["sha256_before"],
+                        "sha256_after": item["sha256_after"]})
+    releases.journal(ctx, "patch.apply.begin", sglang_version=sglang_version, strategy=strategy, threshold=threshold,
+                files=[e["path"] for e in entries])
+
+    candidates = []
+
+    def drop_candidates():
+        for e in candidates:
+            with contextlib.suppress(OSError):  # absent, or never created (a read-only folder)
+                os.unlink(e["candidate"])
+
+    # -- candidates next to their targets, same mode (and owner, when we may)
+    try:
+        for e in entries:
+            target = e["target"]
+            e["candidate"] = os.path.join(os.path.dirname(target),
+                                          ".%s.dynctl-new.%d" % (os.path.basename(target), os.getpid()))
+            st = os.stat(target) if e["sha256_before"] is not None else None
+            e["mode"], e["uid"], e["gid"] = ((stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid) if st
+                                             else (0o644, None, None))
+            candidates.append(e)  # before the write: a half-written candidate (a full disk) is ours to remove
+            store.write_bytes(e["candidate"], e["data"], e["mode"])
+            os.chmod(e["candidate"], e["mode"])  # not narrowed by the umask
+            if st is not None and os.geteuid() == 0:
+                os.chown(e["candidate"], st.st_uid, st.st_gid)
+    except OSError as err:
+        drop_candidates()
+        releases.journal(ctx, "patch.apply.refused", step="candidates", error=str(err))
+        raise AgentError("cannot write next to %s: %s; nothing was changed" % (e["target"], err.strerror or err),
+                         "preflight")
+    releases.journal(ctx, "patch.candidates.written", files=[e["path"] for e in entries])
+
+    # -- compile with the server's interpreter
+    if entries:
+        rc, out, err = hostinfo.run_python(ctx, sgltree.COMPILE, json.dumps([[e["candidate"], e["target"]] for e in entries]),
+                                  timeout=120)
+        if rc != 0:
+            drop_candidates()
+            raise AgentError("py_compile with %s failed: %s; nothing was changed" % (ctx.python, err.strip()[-500:]),
+                             "preflight")
+        bad = [r for r in json.loads(out.strip().splitlines()[-1]) if not r["ok"]]
+        if bad:
+            drop_candidates()
+            first = bad[0]
+            releases.journal(ctx, "patch.apply.refused", step="py_compile", errors=bad)
+            raise AgentError("candidate for %s does not compile with %s: line %s: %s: %s%s; nothing was changed"
+                             % (first["target"], ctx.python, first["lineno"], first["type"], first["msg"],
+                                " (%s)" % first["line"] if first["line"] else ""), "preflight", compile_errors=bad)
+        releases.journal(ctx, "patch.candidates.compiled", files=[e["path"] for e in entries])
+
+    # -- back up the originals into a new release directory, then the manifest
+    seq, release_id = releases.next_id(ctx)
+    release_dir = os.path.join(releases.root(ctx), release_id)
+    manifest = {
+        "id": release_id, "seq": seq, "created": store.now_iso(), "who": ctx.who, "client": ctx.client.get("hostname"),
+        "sglang_version": sglang_version, "package_dir": package_dir, "python": ctx.python, "strategy": strategy,
+        "threshold": threshold,
+        "launch_argv": None if launch_argv is None else [str(a).replace("{release_dir}", release_dir)
+                                                          for a in launch_argv],
+        "files": [{"path": e["path"], "sha256_before": e["sha256_before"], "sha256_after": e["sha256_after"],
+                   "mode": e["mode"], "uid": e["uid"], "gid": e["gid"]} for e in entries],
+        "artifacts": sorted(artifacts or {}), "import_check": None, "state": "applying",
+    }
+    try:
+        os.makedirs(release_dir, mode=0o700)
+        for e in entries:
+            if e["sha256_before"] is None:
+                continue
+            backup = os.path.join(release_dir, "orig", *e["path"].split("/"))
+            os.makedirs(os.path.dirname(backup), mode=0o700, exist_ok=True)
+            with open(e["target"], "rb") as f:
+                original = f.read()
+            if hashlib.sha256(original).hexdigest() != e["sha256_before"]:
+                raise AgentError("%s changed during the backup; nothing was changed" % e["target"], "preflight")
+            store.write_bytes(backup, original, 0o600)
+            if store.sha256_file(backup) != e["sha256_before"]:
+                raise AgentError("backup of %s does not read back intact; nothing was changed" % e["target"],
+                                 "preflight")
+        for name, text in (artifacts or {}).items():
+            store.write_bytes(os.path.join(release_dir, name), text.encode("utf-8"), 0o600)
+        store.write_json_atomic(os.path.join(release_dir, "manifest.json"), manifest)
+    except (OSError, AgentError) as err:
+        drop_candidates()
+        shutil.rmtree(release_dir, ignore_errors=True)
+        releases.journal(ctx, "patch.apply.failed", step="backup", release=release_id, error=str(err))
+        if isinstance(err, AgentError):
+            raise
+        raise AgentError("cannot back up the originals into %s on %s: %s; nothing was swapped and no release was "
+                         "kept: nothing was changed" % (release_dir, ctx.name, err.strerror or err), "preflight")
+    releases.journal(ctx, "patch.backup.done", release=release_id, dir=release_dir)
+
+    # -- swap; from here on a failure puts every original back
+    swapped = []
+
+    def roll_back(reason):
+        problems = []
+        try:
+            staged = sgltree.stage_originals(release_dir, list(reversed(swapped)), package_dir)
+        except (OSError, AgentError) as err:
+            staged = []
+            problems.append("staging the originals: %s" % (getattr(err, "strerror", None) or err))
+        for e, tmp in staged:
+            try:
+                sgltree.put_back(e, tmp, package_dir)
+            except (OSError, AgentError) as err:
+                problems.append("%s: %s" % (e["target"], err))
+                sgltree.discard_staged([(e, tmp)])
+        drop_candidates()
+        if not problems:
+            shutil.rmtree(release_dir, ignore_errors=True)
+        releases.journal(ctx, "patch.apply.rolled_back", release=release_id, reason=reason, problems=problems)
+        if problems:
+            raise AgentError("%s; rolling back FAILED for %s (backups kept in %s)"
+                             % (reason, "; ".join(problems), release_dir), "failed")
+        ctx.changed = False
+        raise AgentError("%s; every original was restored" % reason, "failed")
+
+    dropped = []
+    try:
+        for e in entries:
+            os.replace(e["candidate"], e["target"])
+            swapped.append(e)
+            candidates.remove(e)
+            releases.journal(ctx, "patch.swap.file", release=release_id, path=e["path"], sha256=e["sha256_after"])
+            ctx.changed = True
+            dropped += sgltree.drop_pycache(e["target"])
+    except OSError as err:
+        roll_back("swapping %s failed: %s" % (e["target"], err.strerror or err))
+    if dropped:
+        releases.journal(ctx, "patch.pycache.dropped", release=release_id, files=dropped)
+
+    check = None
+    if entries and strategy == "patch":
+        check = sgltree.import_check(ctx, {os.path.realpath(e["target"]) for e in swapped}, import_check_timeout)
+        releases.journal(ctx, "patch.import_check", release=release_id, **check)
+        if check["ran"] and not check["ok"]:
+            roll_back("the patched sglang does not start: %s" % check["detail"])
+
+    manifest["import_check"] = check
+    manifest["state"] = "applied"
+    manifest["applied"] = store.now_iso()
+    try:
+        store.write_json_atomic(os.path.join(release_dir, "manifest.json"), manifest)
+        current = releases.update_current(ctx)
+    except OSError as err:
+        roll_back("cannot record release %s: %s" % (release_id, err.strerror or err))
+    ctx.changed = True
+    releases.journal(ctx, "patch.apply.done", release=release_id, files=len(entries), current=current)
+    with contextlib.suppress(OSError):
+        releases.prune(ctx)
+    return {"release": release_id, "release_dir": release_dir, "current": current, "manifest": manifest,
+            "import_check": check, "pycache_dropped": dropped}
+
+
+def revert_release(ctx, release=None):
+    """Restore the originals of a release byte for byte (caller holds the host lock).
+
+    release None: the one in force. Idempotent: an already reverted release is reported, not touched.
+    Every file is checked before the first is touched, so a refusal changes nothing.
+    """
+    manifests = releases.manifests(ctx)
+    if release is None:
+        release = releases.current(ctx)
+        pending = [m for m in manifests if m.get("state") == "applying"]
+        if pending:
+            release = pending[0]["id"]
+        if release is None:
+            raise AgentError("no release is in force: nothing to revert", "preflight")
+    manifest = next((m for m in manifests if m["id"] == release), None)
+    if manifest is None:
+        raise AgentError("no release %s here (known: %s)" % (release,
+                         ", ".join(m["id"] for m in manifests) or "none"), "usage")
+    if manifest.get("state") == "reverted":
+        return {"release": release, "reverted": False, "already": True, "current": releases.current(ctx), "files": []}
+    newer = [m["id"] for m in manifests
+             if m.get("seq", 0) > manifest.get("seq", 0) and m.get("state") in ("applied", "applying")]
+    if newer:
+        raise AgentError("release %s is not the newest in force (%s is); revert that first"
+                         % (release, newer[0]), "preflight")
+    package_dir = manifest["package_dir"]
+    release_dir = os.path.join(releases.root(ctx), release)
+    todo = []
+    for entry in manifest["files"]:
+        target = sgltree.target_path(package_dir, entry["path"])
+        now = sgltree.sha_or_none(target)
+        if now == entry["sha256_before"]:
+            continue  # an interrupted apply never got this far
+        if now != entry["sha256_after"]:
+            raise AgentError("%s was modified after release %s was applied (sha256 %s); nothing was reverted"
+                             % (target, release, now), "preflight")
+        if entry["sha256_before"] is not None and not os.path.isfile(
+                os.path.join(release_dir, "orig", *entry["path"].split("/"))):
+            raise AgentError("release %s has no backup of %s; nothing was reverted" % (release, entry["path"]),
+                             "failed")
+        todo.append(entry)
+    try:
+        staged = sgltree.stage_originals(release_dir, todo, package_dir)
+    except OSError as err:
+        folder = os.path.dirname(err.filename) if err.filename else package_dir
+        raise AgentError("cannot write in %s: %s; nothing was reverted" % (folder, err.strerror or err), "preflight")
+    releases.journal(ctx, "patch.revert.begin", release=release, files=[e["path"] for e in todo])
+    restored = []
+    for i, (entry, tmp) in enumerate(staged):
+        try:
+            sgltree.put_back(entry, tmp, package_dir)
+        except OSError as err:
+            sgltree.discard_staged(staged[i:])
+            raise AgentError("restoring %s failed: %s (restored so far: %s)"
+                             % (entry["path"], err.strerror or err, ", ".join(restored) or "none"), "failed")
+        restored.append(entry["path"])
+        ctx.changed = True
+        releases.journal(ctx, "patch.revert.file", release=release, path=entry["path"], sha256=entry["sha256_before"])
+    for entry in manifest["files"]:  # candidates an interrupted apply left behind
+        target = sgltree.target_path(package_dir, entry["path"])
+        prefix = ".%s.dynctl-new." % os.path.basename(target)
+        with contextlib.suppress(OSError):
+            for name in os.listdir(os.path.dirname(target)):
+                if name.startswith(prefix):
+                    os.unlink(os.path.join(os.path.dirname(target), name))
+    manifest["state"] = "reverted"
+    manifest["reverted"] = store.now_iso()
+    manifest["reverted_by"] = ctx.who
+    store.write_json_atomic(os.path.join(release_dir, "manifest.json"), manifest)
+    current = releases.update_current(ctx)
+    ctx.changed = True
+    releases.journal(ctx, "patch.revert.done", release=release, current=current)
+    with contextlib.suppress(OSError):
+        releases.prune(ctx)
+    return {"release": release, "reverted": True, "already": False, "current": current, "files": restored}
+
+
+def patch_apply(ctx, files, sglang_version, strategy="patch", threshold=None, launch_argv=None, artifacts=None,
+                import_check_timeout=300.0, **_):
+    with lock.host_lock(ctx, "patch apply"), lock.hangup_shield():
+        return apply_release(ctx, files, sglang_version, strategy, threshold, launch_argv, artifacts,
+                             float(import_check_timeout))
+
+
+def patch_revert(ctx, release=None, all=False, **_):
+    """Revert the release in force (or `release`); all=True reverts every applied release, newest first."""
+    with lock.host_lock(ctx, "patch revert"), lock.hangup_shield():
+        if not all:
+            return {"reverted": [revert_release(ctx, release)], "current": releases.current(ctx)}
+        done = []
+        while True:
+            pending = [m for m in releases.manifests(ctx) if m.get("state") in ("applied", "applying")]
+            if not pending:
+                break
+            done.append(revert_release(ctx, pending[0]["id"]))
+        return {"reverted": done, "current": releases.current(ctx)}

@@ -1,0 +1,287 @@
+"""Who is the server: the one decision (locate) about what runs on our port, ours or not, and its state.
+
+The server is started in its own session with a marker in its environment, so everything it spawns
+# can be found again -- children that setsid() away, orphans that outlive it -- without ever matching
+# a process by name. Every kill is of a (pid, start time) pair collected from that server, so a
+# recycled pid is never signalled. Zombies count as gone.
+"""
+
+from __future__ import annotations
+
+import getpass
+import os
+
+from dynctl import sglang
+from dynctl_agent import httpclient, procfs, releases, store
+from dynctl_agent.protocol import AgentError
+
+PIDFILE = "server.json"
+LOG = "server.log"
+MARKER_ENV = "DYNCTL_SERVER_ID"
+
+
+def has_marker(pid, marker):
+    """pid carries the marker our start put in the server's environment (so do its children)."""
+    return procfs.has_env(pid, MARKER_ENV, marker)
+
+
+def argv_port(argv):
+    for i, arg in enumerate(argv):
+        if arg == "--port" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--port="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def argv_matches(cmd, argv):
+    """cmd (from /proc) is what exec'ing argv gives: equal, or behind a shebang interpreter."""
+    if not cmd or not argv:
+        return False
+    if cmd == argv:
+        return True
+    tail = list(argv[1:])
+    head = cmd[: len(cmd) - len(tail)] if tail else cmd
+    if tail and cmd[len(cmd) - len(tail):] != tail:
+        return False
+    return any(os.path.basename(h) == os.path.basename(argv[0]) for h in head)
+
+
+def _runs_module(cmd, module):
+    """cmd is `python [opts] -m module ...` (a `-c` before it makes it a decoy, not a server)."""
+    i = 1
+    while i < len(cmd):
+        arg = cmd[i]
+        if arg == "-c" or not arg.startswith("-"):
+            return False
+        if arg == "-m":
+            return i + 1 < len(cmd) and cmd[i + 1] == module
+        if arg.startswith("-m"):
+            return arg[2:] == module
+        i += 2 if arg in ("-X", "-W") else 1
+    return False
+
+
+def _contains(cmd, part):
+    """part appears in cmd right at the start or behind an interpreter and one option."""
+    n = len(part)
+    return n > 0 and any(cmd[i:i + n] == list(part) for i in range(0, min(3, len(cmd) - n + 1)))
+
+
+def looks_like_server(ctx, cmd):
+    """cmd runs sglang's launcher, or the configured launch command, on ctx.port."""
+    if not cmd:
+        return False
+    launch = list(ctx.launch or [])
+    runs = _runs_module(cmd, sglang.LAUNCH_MODULE)
+    if not runs and len(launch) >= 3 and launch[-2] == "-m":
+        runs = _runs_module(cmd, launch[-1])
+    elif not runs and launch:
+        runs = _contains(cmd, launch[1:] or launch)
+    if not runs:
+        return False
+    port = argv_port(cmd)
+    return str(ctx.port) == port if port is not None else ctx.port == sglang.DEFAULT_PORT
+
+
+def tree_of(table, pid, start, leads_session, marker):
+    """{pid: start} of the server and everything it spawned: descendants, its session, marker holders."""
+    tree = {pid: start}
+    children = {}
+    for p, st in table.items():
+        children.setdefault(st["ppid"], []).append(p)
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in tree and table[child]["start"] >= start:
+                tree[child] = table[child]["start"]
+                todo.append(child)
+    for p, st in table.items():
+        if p in tree or st["start"] < start or st["state"] in ("Z", "X"):
+            continue
+        if (leads_session and st["sid"] == pid) or (marker and has_marker(p, marker)):
+            tree[p] = st["start"]
+    return tree
+
+
+def read_pidfile(ctx):
+    return store.read_json(ctx.path(PIDFILE)) if os.path.isdir(ctx.workdir) else None
+
+
+def write_pidfile(ctx, record):
+    ctx.ensure_workdir()
+    store.write_json_atomic(ctx.path(PIDFILE), record)
+
+
+def mark_pidfile(ctx, server, **fields):
+    rec = read_pidfile(ctx)
+    if rec and server and rec.get("pid") == server["pid"]:
+        rec.update(fields)
+        write_pidfile(ctx, rec)
+
+
+def describe(pid, start=None):
+    out = {"pid": pid, "cmdline": procfs.cmdline(pid)}
+    if start is not None:
+        out["start"] = start
+    return out
+
+
+def _is_recorded(pid, rec):
+    """The live pid runs the recorded command line, or (retitled by setproctitle) carries our marker."""
+    return argv_matches(procfs.cmdline(pid), rec.get("argv") or []) or bool(
+        rec.get("marker") and has_marker(pid, rec["marker"]))
+
+
+def _leftovers(table, rec):
+    """Live processes of a previous server that is gone: its session and whatever carries its marker.
+
+    Session members count only while pid `rec.pid` is free or still ours: the kernel keeps a pid
+    reserved while it names a session, so a new leader with that pid means a new, foreign session.
+    """
+    old, start, marker = int(rec["pid"]), rec.get("pid_start"), rec.get("marker")
+    if start is None:
+        return {}
+    lead = table.get(old)
+    # a zombie cannot be a recycled pid; a live process must be the very one we started
+    session_ours = lead is None or (lead["start"] == start and (
+        lead["state"] in ("Z", "X") or _is_recorded(old, rec)))
+    found = {}
+    for p, st in table.items():
+        if st["state"] in ("Z", "X") or st["start"] < start or (p == old and not session_ours):
+            continue
+        if (session_ours and st["sid"] == old) or (marker and has_marker(p, marker)):
+            found[p] = st["start"]
+    return found
+
+
+def locate(ctx):
+    """The one decision about who runs on our port: ours, not ours (named), or nobody.
+
+    Ours: the pidfile's process (checked against its start time and command line), else the sglang (or
+    configured) launcher listening on the port. Everything else that matters is named, never claimed:
+    "foreign" listeners on the port, and "unmanaged" launchers found only by their command line (not
+    listening, not in our pidfile, without our marker) -- those are refused, never signalled. Status, the
+    watch stream, stop, start, deploy and rollback all read this same answer.
+
+    Returns {"server": {...} or None, "record": pidfile, "pidfile": note, "tree": {pid: start},
+    "leftovers": {pid: start} of a previous server, "foreign": [pids], "unmanaged": {pid: start}}.
+    """
+    rec = read_pidfile(ctx) or None
+    table = procfs.table()
+    server, note = None, "absent"
+    if rec and rec.get("pid"):
+        pid = int(rec["pid"])
+        st = table.get(pid)
+        if rec.get("stopped"):
+            note = "stopped"
+        elif st is None or st["state"] in ("Z", "X"):
+            note = "stale: pid %d is gone" % pid
+        elif st["start"] != rec.get("pid_start") or not _is_recorded(pid, rec):
+            note = "stale: pid %d now belongs to another process (%s)" % (pid, " ".join(procfs.cmdline(pid))[:120])
+        else:
+            note = "ok"
+            server = dict(pid=pid, start=st["start"], sid=st["sid"], source="pidfile",
+                          marker=rec.get("marker"), argv=procfs.cmdline(pid))
+    leftovers = _leftovers(table, rec) if rec and rec.get("pid") and server is None else {}
+    live = {p: st for p, st in table.items() if st["state"] not in ("Z", "X") and p not in leftovers}
+    listeners = procfs.listening_pids(ctx.port)
+    if server is None:
+        for pid in listeners:
+            if pid in live and looks_like_server(ctx, procfs.cmdline(pid)):
+                server = dict(pid=pid, start=live[pid]["start"], sid=live[pid]["sid"], source="port",
+                              marker=None, argv=procfs.cmdline(pid))
+                break
+    tree = {}
+    if server is not None:
+        tree = tree_of(table, server["pid"], server["start"], server["sid"] == server["pid"], server["marker"])
+        leftovers = {p: s for p, s in leftovers.items() if p not in tree}
+    found = [p for p in live if p != os.getpid() and p not in tree and looks_like_server(ctx, procfs.cmdline(p))]
+    found = [p for p in found if live[p]["ppid"] not in found]  # the launcher, not its children
+    unmanaged = {p: live[p]["start"] for p in sorted(found, key=lambda p: live[p]["start"])}
+    foreign = [p for p in listeners if p not in tree and p not in leftovers]
+    return {"server": server, "record": rec, "pidfile": note, "tree": tree, "leftovers": leftovers,
+            "foreign": foreign, "unmanaged": unmanaged}
+
+
+def not_ours(ctx, loc):
+    """What stands in our server's way that dynctl will not touch, named for the operator; None if nothing.
+
+    {"kind": "unmanaged" | "foreign" | "hidden", "pid", "start", "cmdline", "text", "hint"}
+    """
+    for pid, start in loc["unmanaged"].items():
+        cmd = procfs.cmdline(pid)
+        return {"kind": "unmanaged", "pid": pid, "start": start, "cmdline": cmd,
+                "text": "pid %d (%s) looks like an sglang server for port %d, but dynctl did not start it and it "
+                        "is not listening on the port" % (pid, " ".join(cmd)[:200], ctx.port),
+                "hint": "stop it yourself, or run `dynctl stop --pid %d` to have dynctl stop it" % pid}
+    if loc["foreign"]:  # even next to our running server (another address): the next start would fail
+        pid = loc["foreign"][0]
+        cmd = procfs.cmdline(pid)
+        return {"kind": "foreign", "pid": pid, "start": procfs.start_time(pid), "cmdline": cmd,
+                "text": "port %d is held by pid %d (%s), which dynctl does not manage"
+                        % (ctx.port, pid, " ".join(cmd)[:200]),
+                "hint": "stop it yourself or change the port in the config"}
+    if loc["server"] is None and not loc["leftovers"] and procfs.port_in_use(ctx.port):
+        return {"kind": "hidden", "pid": None, "start": None, "cmdline": [],
+                "text": "port %d is in use by a process %s cannot see" % (ctx.port, getpass.getuser()),
+                "hint": "find it with `ss -ltnp` as root"}
+    return None
+
+
+def preflight(ctx, loc, action):
+    """Refuse `action` before it changes anything when something that is not ours is in the way."""
+    found = not_ours(ctx, loc)
+    if found is None:
+        return
+    store.journal(ctx, "%s.refused" % action, reason=found["kind"], pid=found["pid"], cmdline=found["cmdline"][:8])
+    raise AgentError("%s refused: %s; nothing was changed and nothing was killed -- %s"
+                     % (action, found["text"], found["hint"]), "preflight",
+                     not_ours={k: found[k] for k in ("kind", "pid", "start", "cmdline")})
+
+
+def probe_host(argv):
+    host = None
+    for i, arg in enumerate(argv or []):
+        if arg == "--host" and i + 1 < len(argv):
+            host = argv[i + 1]
+        elif arg.startswith("--host="):
+            host = arg.split("=", 1)[1]
+    return "127.0.0.1" if host in (None, "", "0.0.0.0", "::", "[::]", "localhost") else host
+
+
+def health(host, port, timeout=3.0):
+    """The status /health answers with, or None when nothing answers."""
+    try:
+        return httpclient.request(host, port, "GET", "/health", timeout=timeout)[0]
+    except httpclient.FAILURES:
+        return None
+
+
+def find(ctx):
+    """State of the managed server: down / starting / ready / draining, with pid, uptime and port owner."""
+    loc = locate(ctx)
+    server, rec = loc["server"], loc["record"] or {}
+    blocker = not_ours(ctx, loc)
+    out = {"state": "down", "pid": None, "source": None, "argv": None, "uptime_s": None, "started": None,
+           "release": None, "health": None, "port": ctx.port, "pidfile": loc["pidfile"],
+           "log": ctx.path(LOG), "port_owner": None,
+           "leftovers": [describe(p) for p in sorted(loc["leftovers"])],
+           "unmanaged": [describe(p, s) for p, s in loc["unmanaged"].items()],
+           "not_ours": blocker, "in_force": releases.launch_in_force(ctx)}
+    if loc["foreign"]:
+        out["port_owner"] = describe(loc["foreign"][0])
+    if server is None:
+        return out
+    from_pidfile = server["source"] == "pidfile"
+    out.update(pid=server["pid"], source=server["source"], argv=server["argv"], uptime_s=procfs.uptime(server["start"]),
+               started=rec.get("started") if from_pidfile else None,
+               release=rec.get("release") if from_pidfile else None)
+    out["health"] = health(probe_host(server["argv"]), ctx.port)
+    if from_pidfile and rec.get("stopping"):
+        out["state"] = "draining"
+    elif out["health"] == 200:
+        out["state"] = "ready"
+    else:
+        out["state"] = "starting"
+    return out
