@@ -15,9 +15,8 @@ from pathlib import Path
 import httpx
 import psutil
 
-from test_sim_harness import (  # noqa: F401 - fixtures
-    SPEC_ARGS, alive, listeners, patched_site_059, site_059, start_sim, wait_for,
-)
+from polling import alive, wait_for
+from sim_harness import SPEC_ARGS, listeners
 
 FAST = ["--time-scale", "20", "--sim-load-seconds", "1", "--model-path", "/models/m"]
 
