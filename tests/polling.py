@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import psutil
+
+
+T = TypeVar("T")
 
 
 def alive(pid: int) -> bool:
@@ -28,3 +32,25 @@ def wait_for(cond: Callable[[], Any], timeout: float = 30.0, what: str = "condit
             raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
         time.sleep(interval)
 
+
+def finishes(call: Callable[[], T], timeout: float = 60.0, what: str = "the call") -> T:
+    """call()'s value (or its exception); a failure when it still runs at the deadline, which only a hang reaches.
+
+    For code whose failure mode is to block: the call runs in a daemon thread, left behind if it hangs.
+    """
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = call()
+        except BaseException as err:  # noqa: BLE001 - handed to the test's thread as it is
+            outcome["error"] = err
+
+    thread = threading.Thread(target=run, daemon=True, name=f"finishes: {what}")
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        raise AssertionError(f"{what} still running after {timeout:g} s: it hangs")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
