@@ -21,6 +21,8 @@ from dynctl.agent import AgentClient, AgentError
 from dynctl.config import HostConfig
 from dynctl.transport.local import Local
 
+pytestmark = pytest.mark.slow
+
 
 class TokenServer:
     def __init__(self, interval: float = 0.01, tokens_per_chunk: int = 1, threshold: int | None = 4,

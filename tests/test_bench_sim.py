@@ -15,6 +15,9 @@ from test_bench_cli import make_app, write_config
 from sim_harness import SPEC_ARGS, Sim
 from typer.testing import CliRunner
 
+pytestmark = pytest.mark.slow
+
+
 SIM_LAUNCH = ["{python}", "-m", "dynctl.sim"]  # the servers these tests start, as dynctl would
 
 TIME_SCALE = 1.0

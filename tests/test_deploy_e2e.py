@@ -16,6 +16,8 @@ from dynctl import deploy as core
 from dynctl import events
 from dynctl.errors import PreflightError
 
+pytestmark = pytest.mark.slow
+
 SERVER_ARGS = "srt/server_args.py"
 
 

@@ -133,6 +133,7 @@ def spawn(owned: list[subprocess.Popen], argv: list[str], **kw) -> subprocess.Po
 # =========================================================================== config and CLI validation
 
 
+@pytest.mark.slow  # the real CLI in a process of its own
 @pytest.mark.parametrize(("text", "fragment"), [
     ("[hosts.a]\npct = 'x'\n", "hosts.a.pct"),
     ("[hosts.a\n", "TOML syntax error"),
@@ -152,6 +153,7 @@ def test_a_bad_config_exits_2_naming_file_and_key(tmp_path: Path, text: str, fra
     assert str(path) in proc.stderr and fragment in one_line(proc.stderr)
 
 
+@pytest.mark.slow  # the real CLI in a process of its own
 def test_an_unknown_host_exits_2_naming_the_defined_ones(tmp_path: Path):
     path = tmp_path / "dynctl.toml"
     path.write_text('[hosts.glm5]\nssh = "root@127.0.0.1:2222"\n')
@@ -181,6 +183,7 @@ def test_out_of_range_options_exit_2_before_any_host_is_contacted(tmp_path: Path
     assert "connection refused" not in result.output
 
 
+@pytest.mark.slow
 def test_missing_identity_file_is_a_config_error(sshd: FakeHost, tmp_path: Path):
     with pytest.raises(ConfigError, match=r"identity_file .*nope.* No such file") as info:
         sshd.ssh(identity_file=str(tmp_path / "nope")).run(["true"])
@@ -197,6 +200,7 @@ def test_missing_identity_file_is_a_config_error(sshd: FakeHost, tmp_path: Path)
     ["patch", "apply"],
     ["patch", "revert", "--all"],
 ])
+@pytest.mark.slow
 def test_changing_a_host_without_yes_off_a_terminal_exits_2_and_changes_nothing(serving: Path, argv: list[str]):
     before, pid = tree_sha256(serving), server_pid(serving)
     result = CliRunner().invoke(app, [*argv, "--config", str(serving)])  # stdin is no terminal there either
@@ -258,6 +262,7 @@ def test_configured_strings_arrive_verbatim_and_never_run(demo_box, sshd: FakeHo
     assert tree_sha256(site) == before
 
 
+@pytest.mark.slow  # the real CLI in a process of its own
 def test_an_ssh_target_with_shell_syntax_never_reaches_a_shell(tmp_path: Path):
     path = tmp_path / "dynctl.toml"
     path.write_text('[hosts.x]\nssh = "box;touch${IFS}canary-ssh"\n')  # a bare word: an alias, no DNS
@@ -270,6 +275,7 @@ def test_an_ssh_target_with_shell_syntax_never_reaches_a_shell(tmp_path: Path):
 # =========================================================================== host keys
 
 
+@pytest.mark.slow
 def test_unknown_host_key_is_refused_with_its_fingerprint(sshd: FakeHost, tmp_path: Path):
     own = tmp_path / "dynctl_known_hosts"
     t = sshd.ssh(known_hosts_path=str(own))
@@ -282,6 +288,7 @@ def test_unknown_host_key_is_refused_with_its_fingerprint(sshd: FakeHost, tmp_pa
     assert not own.exists()
 
 
+@pytest.mark.slow
 def test_unknown_host_key_is_refused_by_the_cli(sshd: FakeHost, tmp_path: Path):
     config = sshd.write_config(tmp_path / "dynctl.toml", {"box": {"ssh": sshd.target, "python": sys.executable}})
     config.with_name("dynctl.known_hosts").write_text("")  # trust nothing
@@ -291,6 +298,7 @@ def test_unknown_host_key_is_refused_by_the_cli(sshd: FakeHost, tmp_path: Path):
     assert config.with_name("dynctl.known_hosts").read_text() == ""
 
 
+@pytest.mark.slow
 def test_accept_new_stores_the_key_0600_and_keeps_other_entries(sshd: FakeHost, tmp_path: Path):
     own = tmp_path / "state" / "known_hosts"
     own.parent.mkdir()
@@ -305,6 +313,7 @@ def test_accept_new_stores_the_key_0600_and_keeps_other_entries(sshd: FakeHost, 
     assert sshd.ssh(known_hosts_path=str(own), accept_new=False).run(["true"]).rc == 0
 
 
+@pytest.mark.slow
 def test_changed_host_key_is_refused_showing_both_fingerprints(sshd: FakeHost, tmp_path: Path):
     impostor = generate_key(tmp_path / "old_host_ed25519")
     keytype, b64 = Path(f"{impostor}.pub").read_text().split()[:2]
@@ -322,6 +331,7 @@ def test_changed_host_key_is_refused_showing_both_fingerprints(sshd: FakeHost, t
     assert own.read_bytes() == before
 
 
+@pytest.mark.slow
 def test_a_changed_jump_host_key_is_refused_too(sshd: FakeHost, sshd_factory, tmp_path: Path):
     jump = sshd_factory("127.0.0.2")
     impostor = generate_key(tmp_path / "impostor")
@@ -338,6 +348,7 @@ def test_a_changed_jump_host_key_is_refused_too(sshd: FakeHost, sshd_factory, tm
     assert ssh_keygen_fingerprint(jump.tmp / "host_ed25519.pub") in str(info.value)
 
 
+@pytest.mark.slow
 def test_users_known_hosts_is_read_but_never_written(sshd: FakeHost, isolated_home: Path, tmp_path: Path):
     users = isolated_home / ".ssh" / "known_hosts"
     users.write_text(sshd.host_key_line + "\n")
@@ -356,6 +367,7 @@ def key_material(path: Path) -> list[str]:
     return [ln for ln in path.read_text().splitlines() if ln and not ln.startswith("-----")]
 
 
+@pytest.mark.slow
 def test_wrong_key_is_an_auth_failure_without_key_material(sshd: FakeHost, tmp_path: Path):
     wrong = generate_key(tmp_path / "wrong_ed25519")
     t = sshd.ssh(identity_file=str(wrong))
@@ -367,6 +379,7 @@ def test_wrong_key_is_an_auth_failure_without_key_material(sshd: FakeHost, tmp_p
     assert info.value.exit_code == 4
 
 
+@pytest.mark.slow
 def test_a_passphrase_protected_key_is_named_not_shown(sshd: FakeHost, tmp_path: Path):
     locked = tmp_path / "locked_ed25519"
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "correct horse", "-f", str(locked)], check=True)
@@ -645,6 +658,7 @@ def test_second_operation_is_refused_naming_the_first(demo_box):
 # =========================================================================== pct losing exit codes
 
 
+@pytest.mark.slow
 def test_exit_status_survives_an_lxc_that_loses_it(sshd: FakeHost):
     sshd.make_ct(LOSSY_CT, lose_exit_status=True)
     ssh = sshd.ssh()
@@ -661,6 +675,7 @@ def test_exit_status_survives_an_lxc_that_loses_it(sshd: FakeHost):
     ("/opt/nowhere/bin/python3", 3, "not found"),
     (sys.executable, 0, ""),
 ])
+@pytest.mark.slow
 def test_the_cli_exit_code_survives_an_lxc_that_loses_it(sshd: FakeHost, tmp_path: Path, python: str, code: int,
                                                          fragment: str):
     sshd.make_ct(LOSSY_CT, lose_exit_status=True)

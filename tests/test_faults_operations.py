@@ -32,6 +32,8 @@ from polling import wait_for
 from demo_box import CTID, dynctl, server_info, server_pid, session, start_baseline, tree_sha256, with_text
 from test_patch_agent import _mounted, make_box  # noqa: F401 - fixture
 
+pytestmark = pytest.mark.slow
+
 POLICY = "srt/speculative/spec_batch_threshold.py"
 
 

@@ -16,6 +16,8 @@ from sglang_trees import cache_dir, sglang_wheel
 from polling import alive, wait_for
 from sshd_harness import free_port
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:

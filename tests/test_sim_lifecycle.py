@@ -14,9 +14,12 @@ from pathlib import Path
 
 import httpx
 import psutil
+import pytest
 
 from polling import alive, wait_for
 from sim_harness import SPEC_ARGS, listeners
+
+pytestmark = pytest.mark.slow
 
 FAST = ["--time-scale", "20", "--sim-load-seconds", "1", "--model-path", "/models/m"]
 

@@ -20,6 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from sim_harness import SPEC_ARGS, Sim, wait_for
 
+pytestmark = pytest.mark.slow
+
 THRESHOLD = 4
 
 

@@ -24,6 +24,8 @@ from dynctl.errors import ConfigError, UnreachableError
 from dynctl.transport import close_all, connect
 from dynctl.transport.ssh import SSH
 
+pytestmark = pytest.mark.slow
+
 
 # ---- commands
 

@@ -24,6 +24,8 @@ from lifecycle_harness import wait_for
 from polling import finishes
 from watch_server import SglangLikeServer, install_fake_nvidia_smi, path_with, record_as_server
 
+pytestmark = pytest.mark.slow
+
 
 def first(stream: Iterator[dict[str, Any]], check: Callable[[dict[str, Any]], Any], timeout: float = 10.0,
           what: str = "item") -> dict[str, Any]:
