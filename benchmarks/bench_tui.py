@@ -9,7 +9,7 @@
             the batch size is changed at a random phase of the sampling and `tmux capture-pane` is
             polled every 10 ms until the new number is on the screen (so ±10 ms)
 
-Targets (issue 6): ≤ 5 % CPU and ≤ 150 MB RSS with one host, lag ≤ 1.5 s.
+Targets: ≤ 5 % CPU and ≤ 150 MB RSS with one host, lag ≤ 1.5 s.
 
     /tmp/venv/bin/python benchmarks/bench_tui.py [--seconds 20] [--lag-samples 12] [--size 120x40] [--json out.json]
 """
@@ -40,9 +40,10 @@ import psutil  # noqa: E402
 
 def child_push(hosts: int) -> None:
     """The TUI with `hosts` hosts, each fed one synthetic watch item per second (a slow load wave)."""
-    from dynctl.feed import PushFeed
-    from dynctl.tui.app import create_app
+    from tui_harness import PushFeed, RecordingActions
     from watch_items import decode_line, item, transition_line
+
+    from dynctl.tui.app import create_app
 
     names = [f"gpu{i:02d}" for i in range(hosts)]
 
@@ -68,17 +69,20 @@ def child_push(hosts: int) -> None:
         threading.Thread(target=pump, daemon=True).start()
         return feed
 
-    create_app(names, feed_factory).run()
+    create_app(names, feed_factory, lambda name: RecordingActions(name, [])).run()
 
 
 def child_live(port: int, workdir: str) -> None:
     """The TUI on one real host: LiveFeed → Local transport → the agent's watch verb → the HTTP server."""
     from dynctl.config import HostConfig
+    from tui_harness import RecordingActions
+
     from dynctl.feed import LiveFeed
     from dynctl.tui.app import create_app
 
     host = HostConfig(name="bench", python=sys.executable, workdir=workdir, port=port)
-    create_app(["bench"], lambda on_update: LiveFeed([host], on_update, interval=1.0)).run()
+    create_app(["bench"], lambda on_update: LiveFeed([host], on_update, interval=1.0),
+               lambda name: RecordingActions(name, [])).run()
 
 
 # ----------------------------------------------------------------------------- tmux driving

@@ -110,10 +110,8 @@ def deploy_threshold(demo: DemoHost, threshold: int = 5, on_event: events.EventS
         core.rollback(demo.agent, demo.host, to="baseline", on_event=on_event, grace=10)
     else:
         restart_server(demo.agent, server_argv(demo.host), grace=10, on_event=on_event)
-    plan = core.plan_deploy(demo.agent, demo.host, threshold)
-    if plan.noop:
-        return {"threshold_in_force": threshold, "noop": plan.noop}
-    return core.deploy(demo.agent, plan, on_event, grace=10)
+    done = core.deploy_threshold(demo.agent, demo.host, threshold, on_event, grace=10)
+    return done.result if done.result is not None else {"threshold_in_force": threshold, "noop": done.plan.noop}
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,8 @@
-"""Deploy, rollback and the live threshold: plan here, run the critical sequence on the host (UI-free)."""
+"""Deploy, rollback and the live threshold: plan here, run the critical sequence on the host (UI-free).
+
+`deploy_threshold`, `rollback` and `set_threshold` are the commands as an operator asks for them, decisions
+included (warnings, nothing to do, what to confirm): the CLI and the TUI's keys both call them.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ from dynctl import events, operations, sglang
 from dynctl.agent import AgentClient
 from dynctl.config import HostConfig
 from dynctl.errors import PreflightError
-from dynctl.lifecycle import server_argv
+from dynctl.lifecycle import Confirm, proceed, server_argv
 from dynctl.native import plan_native
 from dynctl.patching import parse_threshold, plan_patch, strategy_for
 from dynctl.patching.host import patch_state_from, plan_for_apply, read_patch_state
@@ -108,8 +112,31 @@ def _already_deployed(dplan: DeployPlan, release: dict[str, Any] | None, info: d
             f"is serving; nothing to do")
 
 
+@dataclass
+class DeployOutcome:
+    plan: DeployPlan
+    result: dict[str, Any] | None = None  # the host's final word; None when nothing ran (a no-op, a dry run)
+
+
+def deploy_threshold(agent: AgentClient, host: HostConfig, threshold: Any, on_event: events.EventSink = events.ignore,
+                     confirm: Confirm = proceed, *, dry_run: bool = False, grace: float = 60.0,
+                     ready_timeout: float = 900.0, soak: float = DEFAULT_SOAK_S) -> DeployOutcome:
+    """`dynctl deploy` and the TUI's `d`: plan, warn, stop at a dry run or at nothing to do, confirm, deploy."""
+    plan = plan_deploy(agent, host, threshold)
+    for warning in plan.warnings:
+        on_event(events.Warning(warning))
+    if dry_run:
+        return DeployOutcome(plan)
+    if plan.noop:
+        on_event(events.Unchanged("deploy", plan.noop))
+        return DeployOutcome(plan)
+    confirm(f"Deploy threshold {plan.threshold} to {host.name} ({host.route}), restarting its server?")
+    return DeployOutcome(plan, deploy(agent, plan, on_event, grace=grace, ready_timeout=ready_timeout, soak=soak))
+
+
 def deploy(agent: AgentClient, dplan: DeployPlan, on_event: events.EventSink = events.ignore,
            grace: float = 60.0, ready_timeout: float = 900.0, soak: float = DEFAULT_SOAK_S) -> dict[str, Any]:
+    """Run a plan on the host as one operation: validate, back up, switch, restart, verify, soak."""
     params = {
         "files": dplan.files, "sglang_version": dplan.sglang_version, "strategy": dplan.strategy,
         "threshold": dplan.threshold, "launch_argv": dplan.launch_argv, "baseline_argv": dplan.baseline_argv,
@@ -120,25 +147,33 @@ def deploy(agent: AgentClient, dplan: DeployPlan, on_event: events.EventSink = e
 
 def rollback(agent: AgentClient, host: HostConfig, to: str | None = None,
              on_event: events.EventSink = events.ignore, grace: float = 60.0,
-             ready_timeout: float = 900.0, soak: float = DEFAULT_SOAK_S) -> dict[str, Any]:
+             ready_timeout: float = 900.0, soak: float = DEFAULT_SOAK_S, confirm: Confirm = proceed) -> dict[str, Any]:
+    """`dynctl rollback` and the TUI's `r`: back to `to` (default: the previous release), restarted with the
+    launch argv recorded in it."""
     refuse_if_busy(agent)
+    confirm(f"Roll {host.name} back to {to or 'the previous release'}, restarting its server?")
     params = {"baseline_argv": server_argv(host), "to": to, "grace": grace, "ready_timeout": ready_timeout,
               "soak": soak}
     return operations.execute(agent, "rollback", params, on_event)
 
 
-def set_threshold(agent: AgentClient, threshold: Any) -> dict[str, Any]:
+def set_threshold(agent: AgentClient, threshold: Any, on_event: events.EventSink = events.ignore,
+                  confirm: Confirm = proceed) -> dict[str, Any]:
     """Change the threshold without a restart, then report the value actually in force."""
     value = parse_threshold(threshold)
+    name = agent.host.name
+    confirm(f"Set the live threshold of {name} to {value}?")
     state = read_patch_state(agent)
     if state.strategy == "native":
         raise PreflightError(
-            f"{agent.host.name}: sglang {state.version} uses native adaptive speculation, whose config is fixed at "
+            f"{name}: sglang {state.version} uses native adaptive speculation, whose config is fixed at "
             f"launch; a restart is needed: run `dynctl deploy --threshold {value}`")
     if state.status != "applied":
-        raise PreflightError(f"{agent.host.name}: the patch is not in force ({state.detail}); "
+        raise PreflightError(f"{name}: the patch is not in force ({state.detail}); "
                              f"run `dynctl deploy --threshold {value}` first")
     answer = agent.call("set_threshold", threshold=value)  # raises unless every scheduler reads back `value`
+    on_event(events.Finished("threshold", f"threshold {answer['threshold']} in force",
+                             f"on {name} (read back from /server_info)"))
     return {"requested": value, "in_force": answer["threshold"]}
 
 
@@ -146,4 +181,5 @@ def list_releases(agent: AgentClient) -> list[dict[str, Any]]:
     return agent.call("releases")["releases"]
 
 
-__all__ = ["DeployPlan", "deploy", "list_releases", "plan_deploy", "plan_patch", "rollback", "set_threshold"]
+__all__ = ["DeployOutcome", "DeployPlan", "deploy", "deploy_threshold", "list_releases", "plan_deploy", "plan_patch",
+           "rollback", "set_threshold"]

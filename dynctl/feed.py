@@ -198,31 +198,3 @@ class LiveFeed:
         while not self._stop.wait(self.interval):
             for feed in self.hosts.values():
                 feed.check_stall()
-
-
-class PushFeed:
-    """A feed whose snapshots are handed in (tests, benchmarks, replays): same histories, same callback."""
-
-    def __init__(self, hosts: Sequence[str], on_update: OnUpdate, history_s: float = 600.0) -> None:
-        self.histories = {h: HostHistory(h, window_s=history_s) for h in hosts}
-        self._on_update = on_update
-        self.started = False
-        self.stopped = False
-
-    def start(self) -> None:
-        self.started = True
-
-    def stop(self) -> None:
-        self.stopped = True
-
-    def push(self, snap: HostSnapshot) -> None:
-        history = self.histories[snap.host]
-        history.add(snap)
-        self._on_update(snap, history)
-
-    def push_item(self, item: dict[str, Any], host: str, simulated: bool = False) -> HostSnapshot:
-        """Build the snapshot of a raw `watch` item as the live feed would, and push it."""
-        history = self.histories[host]
-        snap = build_snapshot(item, host, history.last_live, simulated=simulated)
-        self.push(snap)
-        return snap

@@ -1,14 +1,16 @@
 """The server's lifecycle on a host (SPEC §5): find, stop, start, wait until ready, logs. UI-free.
 
-Each function calls one agent verb (the work happens on the host) and reports progress as
-`dynctl.events` to an `on_event` sink; the CLI prints them, the TUI shows them in a panel.
+`stop`, `start` and `restart` are the commands as an operator asks for them, decisions included (already
+stopped, already running, which argv, what to confirm): the CLI and the TUI's keys both call them. The
+`*_server` functions below them call one agent verb each (the work happens on the host). Progress goes to
+an `on_event` sink as `dynctl.events`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +26,12 @@ _OWN_FLAGS = ("--port", "--enable-metrics")
 _SLACK_S = 60.0
 _STOP_PORT_TIMEOUT_S = 30.0
 _STOP_GPU_TIMEOUT_S = 60.0
+
+Confirm = Callable[[str], None]  # asks the operator `question`; raises when they decline
+
+
+def proceed(question: str) -> None:
+    """The Confirm of a view that asked before it called (the TUI's dialogs), or of a caller that needs none."""
 
 
 class ServerStartFailed(OperationFailed):
@@ -106,6 +114,96 @@ def find_server(agent: AgentClient) -> ServerState:
     return ServerState.from_agent(agent.call("server_find"))
 
 
+def describe(state: ServerState) -> str:
+    if state.pid is None:
+        return "down"
+    up = f", up {state.uptime_s:.0f} s" if state.uptime_s is not None else ""
+    return f"{state.state}, pid {state.pid} (found by {state.source}{up})"
+
+
+# --------------------------------------------------------------------------- the commands
+
+
+def stop(agent: AgentClient, grace: float = 60.0, on_event: EventSink = events.ignore, confirm: Confirm = proceed,
+         pid: int | None = None) -> dict[str, Any]:
+    """`dynctl stop [--pid N]` and the TUI's `s`: nothing to stop is not an error; a launcher dynctl did not
+    start is refused (exit 3) unless the operator names it by pid."""
+    name = agent.host.name
+    state = find_server(agent)
+    if pid is not None:
+        target = named_process(state, pid)
+        started = "started" if pid == state.pid and state.source == "pidfile" else "did not start"
+        confirm(f"Stop pid {pid} on {name} ({events.one_line(target.get('cmdline'), 120) or '?'}), which dynctl "
+                f"{started}?")
+        result = stop_server(agent, grace, on_event, pid=pid, pid_start=target.get("start"))
+        on_event(_stopped(name, f"pid {pid}", result))
+        return result
+    if state.pid is None and not state.leftovers:
+        not_ours = state.not_ours or {}
+        if not_ours.get("kind") == "unmanaged":  # it looks like the server: refuse, name it, say how to override
+            raise PreflightError(f"{name}: no server started by dynctl is running, and {not_ours['text']}: "
+                                 f"nothing was signalled -- {not_ours.get('hint', '')}")
+        note = f"; {not_ours['text']} (left alone)" if not_ours else ""
+        on_event(events.Unchanged("stop", f"server on {name} is already stopped{note}"))
+        return {"stopped": False, "message": "server already stopped" + note}
+    what = f"pid {state.pid}" if state.pid else f"{len(state.leftovers)} leftover process(es) of the old server"
+    confirm(f"Stop the server on {name} ({what})?")
+    result = stop_server(agent, grace, on_event)
+    on_event(_stopped(name, what, result))
+    return result
+
+
+def _stopped(host: str, what: str, result: dict[str, Any]) -> events.Finished | events.Unchanged:
+    if not result.get("stopped"):  # it ended on its own between the look and the stop
+        return events.Unchanged("stop", f"server on {host}: {result.get('message') or 'already stopped'}")
+    return events.Finished("stop", "stopped", f"the server on {host} ({what})")
+
+
+def named_process(state: ServerState, pid: int) -> dict[str, Any]:
+    """The process `--pid` names, as the host described it; only the server, its leftovers or an sglang
+    launcher for this port that dynctl did not start qualify."""
+    if pid == state.pid:
+        return {"pid": pid, "cmdline": list(state.argv)}
+    for proc in (*state.unmanaged, *state.leftovers):
+        if proc.get("pid") == pid:
+            return proc
+    known = [f"{p['pid']} ({events.one_line(p.get('cmdline'), 120) or '?'})" for p in state.unmanaged]
+    if state.pid is not None:
+        known.insert(0, f"{state.pid} (the server)")
+    raise PreflightError(f"pid {pid} is not an sglang server for port {state.port} on this host "
+                         f"(candidates: {', '.join(known) or 'none'}); nothing was signalled")
+
+
+def start(agent: AgentClient, host: HostConfig, ready_timeout: float = 900.0, on_event: EventSink = events.ignore,
+          confirm: Confirm = proceed) -> dict[str, Any]:
+    """`dynctl start` and the TUI's `S`: a running server is left as it is; else the launch argv of the release
+    in force (else the configured one) is started and waited for."""
+    state = find_server(agent)
+    if state.pid is not None:
+        on_event(events.Unchanged("start", f"server on {host.name} is already running: {describe(state)}"))
+        return {"already_running": True, "pid": state.pid, "state": state.state}
+    argv, how = launch_in_force(state, host)
+    confirm(f"Start the server on {host.name} with {how}: {' '.join(argv)}?")
+    started = start_server(agent, None, on_event=on_event, baseline_argv=server_argv(host))
+    ready = wait_ready(agent, ready_timeout, on_event=on_event)
+    on_event(events.Finished("start", "started", f"the server on {host.name}: pid {ready.get('pid')} ready"))
+    return {"started": started, "ready": ready}
+
+
+def restart(agent: AgentClient, host: HostConfig, grace: float = 60.0, ready_timeout: float = 900.0,
+            on_event: EventSink = events.ignore, confirm: Confirm = proceed) -> dict[str, Any]:
+    """`dynctl restart` and the TUI's `R`: the launch argv of the release in force, else the configured one,
+    whoever started the server that runs now."""
+    state = find_server(agent)
+    argv, how = launch_in_force(state, host)
+    confirm(f"Restart the server on {host.name} ({describe(state)}) with {how}: {' '.join(argv)}?")
+    return restart_server(agent, None, grace=grace, ready_timeout=ready_timeout, on_event=on_event,
+                          baseline_argv=server_argv(host))
+
+
+# --------------------------------------------------------------------------- one agent verb each
+
+
 def stop_server(agent: AgentClient, grace: float = 60.0, on_event: EventSink = events.ignore,
                 pid: int | None = None, pid_start: int | None = None) -> dict[str, Any]:
     """SIGTERM, drain up to `grace`, SIGKILL, sweep the server's tree, wait for port and GPU to be free.
@@ -132,38 +230,9 @@ def stop_server(agent: AgentClient, grace: float = 60.0, on_event: EventSink = e
         message = f"{agent.host.name}: {result['message']}"
         on_event(events.Failed("stop", message))
         raise PreflightError(message)
-    report_stop(result, time.monotonic() - t0, on_event)
+    for event in events.from_stop(result, time.monotonic() - t0):
+        on_event(event)
     return result
-
-
-def report_stop(result: dict[str, Any], elapsed: float, on_event: EventSink) -> None:
-    """Turn a `server_stop` result into events (shared with restart)."""
-    if not result.get("stopped"):
-        on_event(events.StepDone("stop", elapsed, result.get("message", "already stopped")))
-        return
-    t = result.get("timings", {})
-    if result.get("escalated"):
-        on_event(events.Warning(f"pid {result['pid']} did not exit within {result['grace_s']:g} s: sent SIGKILL"))
-    for proc in result.get("swept", []):
-        cmd = " ".join(" ".join(proc.get("cmdline") or []).split())[:100]  # one line, even for `-c` code
-        on_event(events.Warning(f"swept leftover pid {proc['pid']} of the old server: {cmd}"))
-    for text in result.get("warnings", []):
-        on_event(events.Warning(text))
-    parts = []
-    if result.get("pid") is None:  # nothing ran: only a dead server's leftovers were swept
-        parts.append(f"no server was running; swept {len(result.get('swept', []))} leftover process(es) of "
-                     f"the previous server")
-    if "sigterm_to_exit_s" in t:
-        parts.append(f"pid {result['pid']} exited after {_secs(t['sigterm_to_exit_s'])}")
-    parts.append(f"port free {_secs(t.get('exit_to_port_free_s', 0))} later")
-    gpu = result.get("gpu") or {}
-    if gpu.get("checked"):
-        parts.append(f"GPU memory released {_secs(gpu['released_after_exit_s'])} after exit")
-    on_event(events.StepDone("stop", elapsed, ", ".join(parts)))
-
-
-def _secs(seconds: float) -> str:
-    return f"{seconds * 1000:.0f} ms" if seconds < 1 else f"{seconds:.2f} s"
 
 
 def start_server(agent: AgentClient, argv: Sequence[str] | None, env: dict[str, str] | None = None,
@@ -187,13 +256,8 @@ def start_server(agent: AgentClient, argv: Sequence[str] | None, env: dict[str, 
     except AgentError as err:
         on_event(events.Failed("start", str(err)))
         raise
-    how = f" with {result['launch']}" if argv is None and result.get("launch") else ""
-    if result.get("already_running"):
-        on_event(events.StepDone("start", time.monotonic() - t0, f"already running as pid {result['pid']}"))
-    else:
-        on_event(events.StepDone("start", time.monotonic() - t0,
-                                 f"pid {result['pid']}{how}: {' '.join(result.get('argv') or [])}, "
-                                 f"log {result['log']}"))
+    on_event(events.from_start(result if argv is None else {k: v for k, v in result.items() if k != "launch"},
+                               time.monotonic() - t0))
     return result
 
 
@@ -204,10 +268,11 @@ def wait_ready(agent: AgentClient, ready_timeout: float = 900.0,
     t0 = time.monotonic()
     try:
         for item in agent.stream_through_drop("server_wait_ready", ready_timeout=ready_timeout):
-            done = _relay_ready_item(item, on_event)
-            if done is not None:
-                on_event(events.StepDone("ready", time.monotonic() - t0, _ready_detail(done)))
-                return done
+            if item.get("event") == "ready":
+                on_event(events.StepDone("ready", time.monotonic() - t0, events.ready_detail(item)))
+                return item
+            for event in events.from_ready_item(item):
+                on_event(event)
     except AgentError as err:
         raise _start_failed(err, on_event) from None
     raise OperationFailed("the readiness stream ended without an answer")
@@ -221,56 +286,18 @@ def restart_server(agent: AgentClient, argv: Sequence[str] | None = None, env: d
 
     argv None: the launch argv of the release in force, else `baseline_argv`, else the last recorded start.
     """
-    on_event(events.StepStarted("stop", f"SIGTERM, drain up to {grace:g} s"))
-    t0 = time.monotonic()
     params: dict[str, Any] = {"grace": grace, "ready_timeout": ready_timeout}
     if argv is not None:
         params.update(argv=list(argv), env=dict(env or {}))
     elif baseline_argv is not None:
         params.update(baseline_argv=list(baseline_argv))
 
-    def relay(event: dict[str, Any], sink: EventSink) -> None:
-        nonlocal t0
-        kind = event.get("type")
-        if kind == "server_stopped":
-            report_stop(event["result"], time.monotonic() - t0, sink)
-            t0 = time.monotonic()
-            sink(events.StepStarted("start", "as recorded" if argv is None else " ".join(argv)))
-        elif kind == "server_started":
-            started = event["result"]
-            how = f" with {started['launch']}" if argv is None and started.get("launch") else ""
-            sink(events.StepDone("start", time.monotonic() - t0,
-                                 f"pid {started['pid']}{how}: {' '.join(started.get('argv') or [])}"))
-            t0 = time.monotonic()
-            sink(events.StepStarted("ready", f"up to {ready_timeout:g} s"))
-        elif kind in ("log", "warning"):
-            operations.relay(event, sink)
-
     def failure(final: dict[str, Any], message: str) -> DynctlError:
         if final.get("reason"):  # the server did not become ready: crash, traceback or timeout
             return ServerStartFailed(message, final["reason"], final.get("log_tail") or (), final.get("pid"))
         return operations.error_for(final, message)
 
-    done = operations.execute(agent, "restart", params, on_event, relay, failure)
-    on_event(events.StepDone("ready", time.monotonic() - t0, _ready_detail(done)))
-    return done
-
-
-def _relay_ready_item(item: dict[str, Any], on_event: EventSink) -> dict[str, Any] | None:
-    kind = item.get("event")
-    if kind == "log":
-        for line in item.get("lines", []):
-            on_event(events.LogLine(line))
-    elif kind == "warning":
-        on_event(events.Warning(item.get("text", "")))
-    elif kind == "ready":
-        return item
-    return None
-
-
-def _ready_detail(item: dict[str, Any]) -> str:
-    gen = item.get("generate") or {}
-    return f"pid {item['pid']} ready; /generate returned {gen.get('tokens', '?')} tokens"
+    return operations.execute(agent, "restart", params, on_event, failure)
 
 
 def _start_failed(err: AgentError, on_event: EventSink) -> ServerStartFailed:

@@ -195,13 +195,6 @@ def plan_native(threshold: int, steps: int | None = None, *, args: Sequence[str]
     return NativePlan(threshold, steps, effective, config, argv, captured, warnings)
 
 
-def native_launch(threshold: int, steps: int | None = None, *, args: Sequence[str] = (),
-                  config_path: str = DEFAULT_CONFIG_NAME) -> tuple[str | None, list[str]]:
-    """(adaptive config JSON, or None for threshold -1; extra launch argv). See plan_native."""
-    plan = plan_native(threshold, steps, args=args, config_path=config_path)
-    return plan.config_json, plan.argv
-
-
 # --------------------------------------------------------------------------- checking with sglang's own code
 
 

@@ -26,9 +26,8 @@ from dynctl.errors import (
     UsageError,
 )
 
-Event = dict[str, Any]
-Relay = Callable[[Event, events.EventSink], None]
-Failure = Callable[[Event, str], DynctlError]
+Record = dict[str, Any]  # one of the agent's operation records; `dynctl.events.OperationEvents` reads them
+Failure = Callable[[Record, str], DynctlError]
 LATEST = "latest"
 RECONNECT_FOR_S = 60.0
 
@@ -39,7 +38,7 @@ def new_op_id(kind: str) -> str:
 
 
 def run(agent: AgentClient, kind: str, params: dict[str, Any], op_id: str | None = None,
-        reconnect_for: float = RECONNECT_FOR_S, sleep: Callable[[float], None] = time.sleep) -> Iterator[Event]:
+        reconnect_for: float = RECONNECT_FOR_S, sleep: Callable[[float], None] = time.sleep) -> Iterator[Record]:
     """Start `kind` as `op_id` and yield its events until the final one, through dropped connections."""
     op_id = op_id or new_op_id(kind)
     return _events(agent, "op_run", {"kind": kind, "params": params, "op_id": op_id}, op_id, kind,
@@ -47,13 +46,13 @@ def run(agent: AgentClient, kind: str, params: dict[str, Any], op_id: str | None
 
 
 def follow(agent: AgentClient, op_id: str = LATEST, reconnect_for: float = RECONNECT_FOR_S,
-           sleep: Callable[[float], None] = time.sleep) -> Iterator[Event]:
+           sleep: Callable[[float], None] = time.sleep) -> Iterator[Record]:
     """Yield the events of an operation that runs or ran (an id, or "latest") from its first to its final one."""
     return _events(agent, "op_follow", {"op_id": op_id}, op_id, "operation", reconnect_for, sleep)
 
 
 def _events(agent: AgentClient, verb: str, params: dict[str, Any], op_id: str, kind: str, reconnect_for: float,
-            sleep: Callable[[float], None]) -> Iterator[Event]:
+            sleep: Callable[[float], None]) -> Iterator[Record]:
     seen = 0
     deadline: float | None = None
     while True:
@@ -81,33 +80,20 @@ def _events(agent: AgentClient, verb: str, params: dict[str, Any], op_id: str, k
         raise OperationFailed(f"{agent.host.name}: the {kind} {op_id} ended without a final event")
 
 
-def relay(event: Event, on_event: events.EventSink) -> None:
-    """An operation's event as a core event (steps, log lines, warnings)."""
-    kind = event.get("type")
-    if kind == "step_started":
-        on_event(events.StepStarted(event["step"], event.get("detail") or ""))
-    elif kind == "step_done":
-        on_event(events.StepDone(event["step"], event.get("seconds") or 0.0))
-    elif kind in ("log", "info"):
-        on_event(events.LogLine(event.get("text", "")))
-    elif kind == "warning":
-        on_event(events.Warning(event.get("text", "")))
-
-
 def execute(agent: AgentClient, kind: str, params: dict[str, Any], on_event: events.EventSink = events.ignore,
-            relay_event: Relay = relay, failure: Failure | None = None, op_id: str | None = None) -> dict[str, Any]:
+            failure: Failure | None = None, op_id: str | None = None) -> dict[str, Any]:
     """Run `kind` on the host, relay its events, and turn its final word into a result or an error.
 
     Ctrl-C stops the following, not the operation: Interrupted (exit 130) says what became of it.
     """
     op_id = op_id or new_op_id(kind)
     try:
-        return conclude(agent, kind, run(agent, kind, params, op_id), on_event, relay_event, failure)
+        return conclude(agent, kind, run(agent, kind, params, op_id), on_event, failure)
     except KeyboardInterrupt:
         raise interrupted(agent, kind, op_id) from None
 
 
-def error_for(final: Event, message: str) -> DynctlError:
+def error_for(final: Record, message: str) -> DynctlError:
     """The error for a final event that did not succeed; its exit code tells the outcome: 1 failed (rolled back
     where that applies), 2 a usage error, 3 refused or cancelled with nothing changed."""
     if final.get("kind") in ("preflight", "busy", "cancelled"):
@@ -117,23 +103,44 @@ def error_for(final: Event, message: str) -> DynctlError:
     return OperationFailed(message)
 
 
-def conclude(agent: AgentClient, kind: str, stream: Iterator[Event], on_event: events.EventSink = events.ignore,
-             relay_event: Relay = relay, failure: Failure | None = None) -> dict[str, Any]:
-    """Relay `stream` up to its final event; return that event when it succeeded, else raise `failure`'s error."""
-    final: Event = {}
-    current_step = kind
-    for event in stream:
-        if event.get("type") == "step_started":
-            current_step = event["step"]
-        if event.get("final"):
-            final = event
+def conclude(agent: AgentClient, kind: str, stream: Iterator[Record], on_event: events.EventSink = events.ignore,
+             failure: Failure | None = None) -> dict[str, Any]:
+    """Report `stream` as events up to its final record; return that record when it succeeded, else raise
+    `failure`'s error. `kind` names the operation until its records say which it is (`ops follow`)."""
+    reader = events.OperationEvents()
+    final: Record = {}
+    for record in stream:
+        for event in reader.read(record):
+            on_event(event)
+        if record.get("final"):
+            final = record
             break
-        relay_event(event, on_event)
+    kind = final.get("op_kind") or kind
     if final.get("ok"):
+        on_event(outcome(kind, agent.host.name, final))
         return final
     message = final.get("error") or f"{kind} failed"
-    on_event(events.Failed(current_step, message, tuple(final.get("log_tail") or ())))
     raise (failure or error_for)(final, f"{agent.host.name}: {message}")
+
+
+def outcome(kind: str, host: str, final: Record) -> events.Finished | events.Unchanged:
+    """What an operation that succeeded did, in one sentence, however it was followed."""
+    elapsed = final.get("elapsed")
+    soaked = f", still serving {final['soak_s']:g} s after ready" if final.get("soak_s") else ""
+    if kind == "deploy":
+        return events.Finished("deploy", "deployed",
+                               f"release {final.get('release')} on {host}: threshold {final.get('threshold_in_force')} "
+                               f"in force (read back from /server_info), pid {final.get('pid')}{soaked}", elapsed)
+    if kind == "rollback":
+        if final.get("changed") is False:
+            return events.Unchanged("rollback", final.get("message") or "nothing to do")
+        reverted = ", ".join(final.get("reverted") or []) or "none"
+        return events.Finished("rollback", "rolled back",
+                               f"{host} to {final.get('target')} (reverted: {reverted}), pid {final.get('pid')}{soaked}",
+                               elapsed)
+    if kind == "restart":
+        return events.Finished("restart", "restarted", f"the server on {host}: pid {final.get('pid')} ready", elapsed)
+    return events.Finished(kind, "done", f"{kind} on {host}", elapsed)
 
 
 def interrupted(agent: AgentClient, kind: str, op_id: str) -> Interrupted:

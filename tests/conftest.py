@@ -4,6 +4,8 @@
 `.make_ct(ctid, state="running")`, `.ssh(**kw)` (a dynctl SSH transport), and
 `.write_config(path, {"box": {"ssh": sshd.target, "pct": 129, ...}})` for end-to-end tests.
 `sshd_factory` (function) starts more servers that the test may kill (ProxyJump down, reconnects).
+`demo_box` (function) makes private demo hosts: the simulated sglang server on a real sglang tree.
+`site_059`, `patched_site_059` (session) are sglang trees and `start_sim` (function) starts the simulator on one.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import os
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -76,10 +79,12 @@ def demo_template(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], P
 
 
 @pytest.fixture
-def demo_box(sshd: FakeHost, demo_template, tmp_path: Path) -> Iterator[Callable[..., Path]]:
-    """make(version="0.5.9", **env) -> config path: a private demo host in pct container 129 on the test sshd.
+def demo_box(request: pytest.FixtureRequest, demo_template, tmp_path: Path) -> Iterator[Callable[..., Path]]:
+    """make(version="0.5.9", *, via="pct", time_scale=20, **env) -> config path of a private demo host `box`.
 
-    Whatever server it started is stopped afterwards (by dynctl, then by its environment marker).
+    via "pct": inside container 129 on the test sshd, reached as a Proxmox box is; "ssh": on the test sshd;
+    "local": on this machine without SSH. Whatever server it started is stopped afterwards (by dynctl,
+    then by its environment marker).
     """
     from demo_box import dynctl, kill_servers_of, make_demo_box
 
@@ -88,8 +93,12 @@ def demo_box(sshd: FakeHost, demo_template, tmp_path: Path) -> Iterator[Callable
 
     made: list[Path] = []
 
-    def make(version: str = "0.5.9", **env: str) -> Path:
-        made.append(make_demo_box(sshd, demo_template(version), tmp_path, version, **env))
+    def make(version: str = "0.5.9", *, via: str = "pct", time_scale: float = 20, **env: str) -> Path:
+        if via not in ("pct", "ssh", "local"):
+            raise ValueError(f"via={via!r}: expected pct, ssh or local")
+        sshd = None if via == "local" else request.getfixturevalue("sshd")
+        made.append(make_demo_box(sshd, demo_template(version), tmp_path, version, pct=via == "pct",
+                                  time_scale=time_scale, **env))
         return made[-1]
 
     yield make
@@ -97,3 +106,43 @@ def demo_box(sshd: FakeHost, demo_template, tmp_path: Path) -> Iterator[Callable
     for config in made:
         dynctl("stop", "--yes", "--grace", "5", config=config)
         kill_servers_of(Path(load_config(config).host(None).workdir))
+
+
+# ---- the simulated sglang server on its own (tests/sim_harness.py), without a demo host around it
+
+
+@pytest.fixture(scope="session")
+def site_059(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A pristine sglang 0.5.9 tree (shared: tests must not modify it)."""
+    site = tmp_path_factory.mktemp("sglang-0.5.9") / "site"
+    from sglang_trees import install_sglang
+
+    install_sglang("0.5.9", site)
+    return site
+
+
+@pytest.fixture(scope="session")
+def patched_site_059(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """sglang 0.5.9 with dynctl's patch applied (shared: tests must not modify it)."""
+    site = tmp_path_factory.mktemp("sglang-0.5.9-patched") / "site"
+    from sim_harness import install_patched
+
+    install_patched("0.5.9", site)
+    return site
+
+
+@pytest.fixture
+def start_sim(tmp_path: Path) -> Iterator[Callable[..., Any]]:
+    """start_sim(site, argv, env=None) -> Sim (not yet ready); every server is killed after the test."""
+    from sim_harness import Sim
+
+    started: list[Sim] = []
+
+    def start(site: Path, argv: list[str], env: dict[str, str] | None = None, port: int | None = None) -> Sim:
+        sim = Sim(site, argv, tmp_path, env, port)
+        started.append(sim)
+        return sim
+
+    yield start
+    for sim in started:
+        sim.stop()

@@ -1,21 +1,25 @@
 """Demo hosts for end-to-end tests: the simulated sglang server on a real sglang tree, reached as a real
 box is (SSH to the test sshd, then `pct exec` into a container), driven through the `dynctl` CLI.
 
-    config = make_demo_box(sshd, template, tmp_path)     # a private copy of a prepared demo host
+    config = demo_box()                                  # the fixture (tests/conftest.py): a private copy
+    config = demo_box("0.5.14", via="local", time_scale=50)
     dynctl("deploy", "--threshold", "5", "--yes", config=config)
     tree_sha256(config)                                  # one digest of the whole sglang tree
 
-The fixtures `demo_template` and `demo_box` (tests/conftest.py) wrap these.
+Every test that needs a demo host takes it from `demo_box`; a module that shares one host between its
+tests calls `make_demo_box` with the session's `demo_template` itself.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,24 +29,42 @@ from dynctl import deploy as core
 from dynctl.cli.common import HostSession, open_host
 from dynctl.sim.hostsetup import prepare_demo_host
 from sglang_trees import sglang_wheel
-from sshd_harness import FakeHost, free_port
+from sshd_harness import FakeHost, free_port, toml_value
 
 CTID = 129
+_copies = itertools.count(1)
 
 
-def make_demo_box(sshd: FakeHost, template: Path, tmp_path: Path, version: str = "0.5.9", *, ctid: int = CTID,
-                  pct: bool = True, **env: str) -> Path:
-    """Copy the prepared `template` into container `ctid` and write a config whose default host `box` is it."""
-    ct_root = sshd.make_ct(ctid)
-    root = ct_root / f"demo-{tmp_path.name}"
+def make_demo_box(sshd: FakeHost | None, template: Path, tmp_path: Path, version: str = "0.5.9", *,
+                  ctid: int = CTID, pct: bool = True, time_scale: float = 20, **env: str) -> Path:
+    """Copy the prepared `template` and write a config whose default host `box` is the copy: in container `ctid`
+    on the test sshd (pct=False: on the sshd itself), or on this machine without SSH when `sshd` is None."""
+    n = next(_copies)
+    base = tmp_path if sshd is None else sshd.make_ct(ctid) if pct else sshd.tmp
+    root = base / f"demo-{tmp_path.name}-{n}"
     shutil.copytree(template, root, symlinks=True)
     entry = prepare_demo_host(root, sglang_version=version, port=free_port(),
-                              cache_dir=sglang_wheel(version).parent, time_scale=20)
+                              cache_dir=sglang_wheel(version).parent, time_scale=time_scale)
     entry["env"].update(env)
+    config = tmp_path / "dynctl.toml"
+    if config.exists():  # a second box in one test
+        config = tmp_path / f"dynctl-{n}.toml"
+    if sshd is None:
+        return write_config(config, {"box": entry}, default_host="box")
     entry["ssh"] = sshd.target
     if pct:
         entry["pct"] = ctid
-    return sshd.write_config(tmp_path / "dynctl.toml", {"box": entry}, default_host="box")
+    return sshd.write_config(config, {"box": entry}, default_host="box")
+
+
+def write_config(path: Path, hosts: Mapping[str, Mapping[str, Any]], default_host: str | None = None) -> Path:
+    """A dynctl TOML for hosts on this machine (no SSH)."""
+    lines = [f"default_host = {toml_value(default_host)}"] if default_host else []
+    for name, values in hosts.items():
+        lines.append(f"\n[hosts.{name}]")
+        lines += [f"{k} = {toml_value(v)}" for k, v in values.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
 
 
 def dynctl(*args: str, config: Path, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -19,7 +19,7 @@ from typing import Any
 
 import psutil
 import pytest
-from polling import wait_for
+from polling import alive, wait_for
 from sshd_harness import free_port
 
 from dynctl import events, lifecycle
@@ -33,14 +33,6 @@ SHIM = SERVERS / "sglang_shim"
 FAKE_BIN = SERVERS / "bin"
 SERVER_SCRIPT = SERVERS / "lifecycle_server.py"
 SLEEPER = "import time\nwhile True: time.sleep(60)\n"
-
-
-def alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
 
 
 def listening(port: int) -> bool:

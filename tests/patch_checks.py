@@ -5,6 +5,10 @@ from __future__ import annotations
 import ast
 import builtins
 
+from dynctl.patching.engine import _unapply_recipe
+from dynctl.patching.recipe import recipes
+from dynctl.patching.versions import variant_for
+
 FLAG = "--speculative-disable-batch-threshold"
 FIELD = "speculative_disable_batch_threshold"
 WORKER_METHODS = {"_skip_speculation", "_init_spec_disable", "_capture_spec_disable_graphs",
@@ -101,3 +105,12 @@ def check_all(texts: dict[str, str]) -> None:
     check_scheduler(texts["srt/managers/scheduler.py"])
     check_eagle_worker(texts["srt/speculative/eagle_worker_v2.py"])
     ast.parse(texts["srt/speculative/spec_batch_threshold.py"])
+
+
+def unpatched_text(version: str, path: str, text: str) -> str:
+    """The text of a patched file with the patch taken out by the engine's own unapply (reverts use backups)."""
+    for recipe in recipes(variant_for(version)):
+        if recipe.path == path:
+            stripped, _ = _unapply_recipe(text, recipe)
+            return stripped
+    raise KeyError(path)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from polling import alive
 
 HERE = Path(__file__).resolve().parent
 SSHD = shutil.which("sshd", path="/usr/sbin:/usr/bin:/sbin:/bin") or "/usr/sbin/sshd"
@@ -53,13 +54,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-def alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def wait_gone(procs: Iterable[psutil.Process], timeout: float) -> list[psutil.Process]:

@@ -99,6 +99,7 @@ def test_unreachable_server_exits_4(tmp_path):
     assert "not answering" in result.output and "tiny" in result.output
 
 
+@pytest.mark.slow
 def test_errors_are_counted_and_vllm_names_written(server, tmp_path):
     server.fail_every = 4
     cfg = write_config(tmp_path, server.port, serves_here=True)
@@ -124,6 +125,7 @@ def test_errors_are_counted_and_vllm_names_written(server, tmp_path):
     assert "failed (most often: HTTP 500" in result.output
 
 
+@pytest.mark.slow
 def test_compare_never_switches_a_server_that_is_not_ours(server, tmp_path):
     """A listener on the port that dynctl did not start is measured at most, never reconfigured."""
     cfg = write_config(tmp_path, server.port)  # the test server, not recorded as started by dynctl
@@ -135,6 +137,7 @@ def test_compare_never_switches_a_server_that_is_not_ours(server, tmp_path):
     assert server.threshold == 4  # never changed
 
 
+@pytest.mark.slow
 def test_compare_switches_live_and_restores_the_threshold(server, tmp_path):
     cfg = write_config(tmp_path, server.port, serves_here=True)
     out = tmp_path / "cmp.json"
@@ -151,6 +154,7 @@ def test_compare_switches_live_and_restores_the_threshold(server, tmp_path):
     assert shares["no-spec"] == [0.0, 0.0] and shares["always-spec"] == [1.0, 1.0]
 
 
+@pytest.mark.slow
 def test_compare_refuses_a_server_without_speculation(server, tmp_path):
     server.spec = None
     cfg = write_config(tmp_path, server.port, serves_here=True)
@@ -160,6 +164,7 @@ def test_compare_refuses_a_server_without_speculation(server, tmp_path):
     assert server.requests == 0  # refused before any load
 
 
+@pytest.mark.slow
 def test_unpatched_server_needs_consent_to_redeploy_for_each_mode(server, tmp_path):
     server.threshold = None  # /server_info has no threshold: not patched, so modes need a redeploy
     cfg = write_config(tmp_path, server.port, serves_here=True)
@@ -184,6 +189,7 @@ def _read_until(proc: subprocess.Popen, needle: str, timeout: float) -> str:
     return seen
 
 
+@pytest.mark.slow
 def test_ctrl_c_mid_sweep_writes_what_was_measured_and_exits_130(server, tmp_path):
     cfg = write_config(tmp_path, server.port, serves_here=True)
     out = tmp_path / "partial.json"
@@ -213,6 +219,7 @@ def test_ctrl_c_mid_sweep_writes_what_was_measured_and_exits_130(server, tmp_pat
              "the load generators to end with dynctl bench")
 
 
+@pytest.mark.slow
 def test_core_run_stops_when_asked_and_restores(server, tmp_path):
     """The TUI's stop key: should_stop() ends the run after the current level, threshold put back."""
     from test_bench_server import local_agent

@@ -12,8 +12,11 @@ from pathlib import Path
 
 import pytest
 from test_bench_cli import make_app, write_config
-from test_sim_harness import SPEC_ARGS, Sim, patched_site_059  # noqa: F401 - fixture
+from sim_harness import SPEC_ARGS, Sim
 from typer.testing import CliRunner
+
+pytestmark = pytest.mark.slow
+
 
 SIM_LAUNCH = ["{python}", "-m", "dynctl.sim"]  # the servers these tests start, as dynctl would
 

@@ -16,6 +16,8 @@ from typer.testing import CliRunner
 from dynctl.agent import AgentClient
 from dynctl.config import HostConfig
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture
 def server():

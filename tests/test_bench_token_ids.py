@@ -11,7 +11,7 @@ import json
 import httpx
 import pytest
 from test_bench_cli import make_app, write_config
-from test_sim_harness import Sim, patched_site_059  # noqa: F401 - fixture
+from sim_harness import Sim
 from typer.testing import CliRunner
 
 SIM_LAUNCH = ["{python}", "-m", "dynctl.sim"]  # the servers these tests start, as dynctl would

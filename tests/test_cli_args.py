@@ -10,12 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from demo_box import dynctl, session
+from sshd_harness import free_port
 from typer.testing import CliRunner
 
 from dynctl.cli import app
-from dynctl.sim.hostsetup import prepare_demo_host
-from sglang_trees import sglang_wheel
-from sshd_harness import free_port, toml_value
 
 
 def invoke(*args: str):
@@ -122,17 +121,10 @@ def test_bad_demo_options_change_nothing(isolated_home: Path, option: list[str],
 # ---- the live threshold end to end
 
 
-def dynctl(*args: str, config: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dynctl", *args, "--config", str(config)],
-                          capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=300)
-
-
 @pytest.mark.slow
-def test_live_threshold_minus_one_then_a_clear_refusal_once_the_server_is_down(tmp_path: Path):
-    entry = prepare_demo_host(tmp_path / "demo", port=free_port(), cache_dir=sglang_wheel("0.5.9").parent,
-                              time_scale=20)
-    config = tmp_path / "dynctl.toml"
-    config.write_text("[hosts.demo]\n" + "".join(f"{k} = {toml_value(v)}\n" for k, v in entry.items()))
+def test_live_threshold_minus_one_then_a_clear_refusal_once_the_server_is_down(demo_box):
+    config = demo_box(via="local")
+    port = session(config).host.port
     try:
         deployed = dynctl("deploy", "--threshold", "5", "--yes", config=config)
         assert deployed.returncode == 0, deployed.stdout + deployed.stderr
@@ -145,6 +137,6 @@ def test_live_threshold_minus_one_then_a_clear_refusal_once_the_server_is_down(t
     down = dynctl("threshold", "5", "--yes", config=config)
     assert down.returncode == 3, down.stdout + down.stderr
     message = one_line(down.stderr)
-    assert f"no server is listening on 127.0.0.1:{entry['port']}" in message
+    assert f"no server is listening on 127.0.0.1:{port}" in message
     assert "dynctl start" in message
     assert "urlopen" not in message and "Errno" not in message

@@ -12,6 +12,9 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
+
 CTID = 131
 
 

@@ -5,20 +5,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+from sglang_trees import sglang_wheel
+from sshd_harness import free_port
+
 from dynctl.config import load_config
 from dynctl.demo import register_demo_host
-from sglang_trees import sglang_wheel
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
@@ -26,6 +22,7 @@ def run(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
                           stdin=subprocess.DEVNULL, timeout=600)
 
 
+@pytest.mark.slow
 def test_demo_no_tui_tells_the_whole_story(tmp_path, isolated_home):
     data = tmp_path / "data"
     cache = data / "dynctl" / "demo" / "cache"

@@ -4,23 +4,18 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-
 from sglang_trees import sglang_wheel
+from sshd_harness import free_port
+
+pytestmark = pytest.mark.slow
 
 TMUX = shutil.which("tmux")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def screen(env: dict[str, str], session: str) -> str:

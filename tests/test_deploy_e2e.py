@@ -16,16 +16,13 @@ from dynctl import deploy as core
 from dynctl import events
 from dynctl.errors import PreflightError
 
+pytestmark = pytest.mark.slow
+
 SERVER_ARGS = "srt/server_args.py"
 
 
-@pytest.fixture
-def box(demo_box):
-    return demo_box
-
-
-def test_deploy_and_rollback_happy_path(box):
-    config = box()
+def test_deploy_and_rollback_happy_path(demo_box):
+    config = demo_box()
     pristine = tree_sha256(config)
     start_baseline(config)
 
@@ -63,9 +60,9 @@ def test_deploy_and_rollback_happy_path(box):
     assert tree_sha256(config) == pristine
 
 
-def test_missing_comma_is_refused_before_the_server_is_touched(box):
+def test_missing_comma_is_refused_before_the_server_is_touched(demo_box):
     """The seed's failure: exit 3 before the old server is stopped; a client sees no failed request."""
-    config = box()
+    config = demo_box()
     pid = start_baseline(config)
     pristine = tree_sha256(config)
     s = session(config)
@@ -108,9 +105,9 @@ def test_missing_comma_is_refused_before_the_server_is_touched(box):
 
 
 @pytest.mark.parametrize("step", ["switch", "stop", "health"])
-def test_connection_cut_mid_deploy_converges(box, sshd, step):
+def test_connection_cut_mid_deploy_converges(demo_box, sshd, step):
     """The worker runs on the host: cutting SSH at any step leaves it to finish, and the client catches up."""
-    config = box()
+    config = demo_box()
     start_baseline(config)
     s = session(config)
     dplan = core.plan_deploy(s.agent, s.host, 5)
@@ -129,8 +126,8 @@ def test_connection_cut_mid_deploy_converges(box, sshd, step):
     assert again.returncode == 0 and "nothing to do" in again.stdout
 
 
-def test_native_strategy_deploy_touches_no_file(box):
-    config = box("0.5.14")
+def test_native_strategy_deploy_touches_no_file(demo_box):
+    config = demo_box("0.5.14")
     pristine = tree_sha256(config)
     start_baseline(config)
     out = dynctl("deploy", "--threshold", "8", "--yes", config=config)

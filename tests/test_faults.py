@@ -26,6 +26,7 @@ import socket
 import subprocess
 import sys
 import threading
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,48 +34,40 @@ import httpx
 import psutil
 import pytest
 from demo_box import (
+    CTID,
     dynctl,
     kill_servers_of,
     make_demo_box,
     server_info,
     server_pid,
     session,
+    site_of,
     start_baseline,
     tree_sha256,
     with_text,
 )
-from polling import wait_for
+from polling import alive, wait_for
 from sshd_harness import FakeHost, free_port, generate_key
 from typer.testing import CliRunner
 
 from dynctl import deploy as core
 from dynctl import events, lifecycle
 from dynctl.cli import app
-from dynctl.cli.common import HostSession, open_host
+from dynctl.cli.common import HostSession
 from dynctl.config import SSHTarget
 from dynctl.errors import ConfigError, HostKeyError, OperationFailed, UnreachableError
-from dynctl.sim.hostsetup import prepare_demo_host
 from dynctl.transport import close_all
 from dynctl.transport.pct import Pct
 from dynctl.transport.ssh import SSH
-from sglang_trees import sglang_wheel
 
 POLICY = "srt/speculative/spec_batch_threshold.py"
 SERVING_CT = 140  # the demo host whose server stays up for the whole module
-LIFECYCLE_CT = 141  # the shared demo host of the lifecycle scenarios (none patches its tree)
 LOSSY_CT = 142  # a container whose LXC loses exit statuses
 SECRET = "hf_dynctl-FAULTS-s3cr3t-9c1e2f"
 
 
 def one_line(text: str) -> str:
     return " ".join(text.split())
-
-
-def alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 def tree_of(pid: int) -> list[int]:
@@ -89,11 +82,6 @@ def listening(port: int) -> bool:
 def ssh_keygen_fingerprint(pub: Path) -> str:
     """The fingerprint as OpenSSH itself prints it (independent of paramiko)."""
     return subprocess.run(["ssh-keygen", "-lf", str(pub)], capture_output=True, text=True, check=True).stdout.split()[1]
-
-
-@pytest.fixture
-def box(demo_box):
-    return demo_box
 
 
 @pytest.fixture(scope="module")
@@ -112,28 +100,11 @@ def serving(sshd: FakeHost, demo_template, tmp_path_factory) -> Iterator[Path]:
     close_all()
 
 
-@pytest.fixture(scope="module")
-def lifecycle_root(sshd: FakeHost) -> Path:
-    """One demo host inside container LIFECYCLE_CT, shared by the lifecycle scenarios (none patches it)."""
-    sshd.make_ct(LIFECYCLE_CT)
-    root = sshd.ct_root(LIFECYCLE_CT) / "demo"
-    prepare_demo_host(root, "0.5.9", cache_dir=sglang_wheel("0.5.9").parent, time_scale=50)
-    return root
-
-
 @pytest.fixture
-def demo(lifecycle_root: Path, sshd: FakeHost, tmp_path: Path) -> Iterator[tuple[HostSession, str]]:
-    """(session, config path) for a fresh port and workdir on the shared demo host; its server is killed after."""
-    entry = prepare_demo_host(lifecycle_root, "0.5.9", free_port(), cache_dir=sglang_wheel("0.5.9").parent,
-                              time_scale=50)
-    entry.update(ssh=sshd.target, pct=LIFECYCLE_CT, workdir=str(tmp_path / "work"))
-    cfg = str(sshd.write_config(tmp_path / "dynctl.toml", {"demo": entry}, default_host="demo"))
-    s = open_host("demo", cfg)
-    try:
-        yield s, cfg
-    finally:
-        close_all()
-        kill_servers_of(tmp_path / "work")
+def demo(demo_box) -> tuple[HostSession, Path]:
+    """(session, config path) of a demo host inside container 129, its server not started."""
+    config = demo_box(time_scale=50)
+    return session(config), config
 
 
 def start(s: HostSession, *flags: str) -> int:
@@ -162,6 +133,7 @@ def spawn(owned: list[subprocess.Popen], argv: list[str], **kw) -> subprocess.Po
 # =========================================================================== config and CLI validation
 
 
+@pytest.mark.slow  # the real CLI in a process of its own
 @pytest.mark.parametrize(("text", "fragment"), [
     ("[hosts.a]\npct = 'x'\n", "hosts.a.pct"),
     ("[hosts.a\n", "TOML syntax error"),
@@ -181,6 +153,7 @@ def test_a_bad_config_exits_2_naming_file_and_key(tmp_path: Path, text: str, fra
     assert str(path) in proc.stderr and fragment in one_line(proc.stderr)
 
 
+@pytest.mark.slow  # the real CLI in a process of its own
 def test_an_unknown_host_exits_2_naming_the_defined_ones(tmp_path: Path):
     path = tmp_path / "dynctl.toml"
     path.write_text('[hosts.glm5]\nssh = "root@127.0.0.1:2222"\n')
@@ -210,6 +183,7 @@ def test_out_of_range_options_exit_2_before_any_host_is_contacted(tmp_path: Path
     assert "connection refused" not in result.output
 
 
+@pytest.mark.slow
 def test_missing_identity_file_is_a_config_error(sshd: FakeHost, tmp_path: Path):
     with pytest.raises(ConfigError, match=r"identity_file .*nope.* No such file") as info:
         sshd.ssh(identity_file=str(tmp_path / "nope")).run(["true"])
@@ -226,6 +200,7 @@ def test_missing_identity_file_is_a_config_error(sshd: FakeHost, tmp_path: Path)
     ["patch", "apply"],
     ["patch", "revert", "--all"],
 ])
+@pytest.mark.slow
 def test_changing_a_host_without_yes_off_a_terminal_exits_2_and_changes_nothing(serving: Path, argv: list[str]):
     before, pid = tree_sha256(serving), server_pid(serving)
     result = CliRunner().invoke(app, [*argv, "--config", str(serving)])  # stdin is no terminal there either
@@ -248,8 +223,7 @@ def canaries(*roots: Path) -> list[Path]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("route", ["ssh", "ssh+pct"])
-def test_configured_strings_arrive_verbatim_and_never_run(lifecycle_root: Path, sshd: FakeHost, tmp_path: Path,
-                                                         route: str):
+def test_configured_strings_arrive_verbatim_and_never_run(demo_box, sshd: FakeHost, tmp_path: Path, route: str):
     """python, workdir, identity file, an env value and an argument, each full of shell syntax, through every layer."""
     identity = tmp_path / f"key {PAYLOAD}"
     identity.write_bytes(sshd.client_key.read_bytes())
@@ -258,16 +232,15 @@ def test_configured_strings_arrive_verbatim_and_never_run(lifecycle_root: Path, 
     venv.symlink_to(Path(sys.prefix), target_is_directory=True)  # pyvenv.cfg is found through the link
     python = str(venv / "bin" / "python")
     workdir = tmp_path / f"work {PAYLOAD}"
-    entry = prepare_demo_host(lifecycle_root, "0.5.9", free_port(), cache_dir=sglang_wheel("0.5.9").parent,
-                              time_scale=50)
+    box = demo_box(via="pct" if route == "ssh+pct" else "ssh", time_scale=50)
+    entry = tomllib.loads(box.read_text())["hosts"]["box"]
     args = list(entry["args"])
     args[args.index("--model-path") + 1] = f"/models/{PAYLOAD}"
-    entry.update(ssh=sshd.target, identity_file=str(identity), python=python, workdir=str(workdir), args=args,
+    entry.update(identity_file=str(identity), python=python, workdir=str(workdir), args=args,
                  env={**entry["env"], "DYNCTL_FAULT_VALUE": PAYLOAD})
-    if route == "ssh+pct":
-        entry["pct"] = LIFECYCLE_CT
-    config = sshd.write_config(tmp_path / "dynctl.toml", {"box": entry}, default_host="box")
-    before = tree_sha256(lifecycle_root / "site")
+    config = sshd.write_config(tmp_path / "injected.toml", {"box": entry}, default_host="box")
+    site = site_of(config)
+    before = tree_sha256(site)
     try:
         status = dynctl("status", "--json", config=config)
         assert status.returncode == 0, status.stderr
@@ -285,10 +258,11 @@ def test_configured_strings_arrive_verbatim_and_never_run(lifecycle_root: Path, 
     finally:
         close_all()
         kill_servers_of(workdir)
-    assert canaries(tmp_path, sshd.tmp / "home", sshd.ct_root(LIFECYCLE_CT)) == []
-    assert tree_sha256(lifecycle_root / "site") == before
+    assert canaries(tmp_path, sshd.tmp / "home", site.parent, sshd.ct_root(CTID)) == []
+    assert tree_sha256(site) == before
 
 
+@pytest.mark.slow  # the real CLI in a process of its own
 def test_an_ssh_target_with_shell_syntax_never_reaches_a_shell(tmp_path: Path):
     path = tmp_path / "dynctl.toml"
     path.write_text('[hosts.x]\nssh = "box;touch${IFS}canary-ssh"\n')  # a bare word: an alias, no DNS
@@ -301,6 +275,7 @@ def test_an_ssh_target_with_shell_syntax_never_reaches_a_shell(tmp_path: Path):
 # =========================================================================== host keys
 
 
+@pytest.mark.slow
 def test_unknown_host_key_is_refused_with_its_fingerprint(sshd: FakeHost, tmp_path: Path):
     own = tmp_path / "dynctl_known_hosts"
     t = sshd.ssh(known_hosts_path=str(own))
@@ -313,6 +288,7 @@ def test_unknown_host_key_is_refused_with_its_fingerprint(sshd: FakeHost, tmp_pa
     assert not own.exists()
 
 
+@pytest.mark.slow
 def test_unknown_host_key_is_refused_by_the_cli(sshd: FakeHost, tmp_path: Path):
     config = sshd.write_config(tmp_path / "dynctl.toml", {"box": {"ssh": sshd.target, "python": sys.executable}})
     config.with_name("dynctl.known_hosts").write_text("")  # trust nothing
@@ -322,6 +298,7 @@ def test_unknown_host_key_is_refused_by_the_cli(sshd: FakeHost, tmp_path: Path):
     assert config.with_name("dynctl.known_hosts").read_text() == ""
 
 
+@pytest.mark.slow
 def test_accept_new_stores_the_key_0600_and_keeps_other_entries(sshd: FakeHost, tmp_path: Path):
     own = tmp_path / "state" / "known_hosts"
     own.parent.mkdir()
@@ -336,6 +313,7 @@ def test_accept_new_stores_the_key_0600_and_keeps_other_entries(sshd: FakeHost, 
     assert sshd.ssh(known_hosts_path=str(own), accept_new=False).run(["true"]).rc == 0
 
 
+@pytest.mark.slow
 def test_changed_host_key_is_refused_showing_both_fingerprints(sshd: FakeHost, tmp_path: Path):
     impostor = generate_key(tmp_path / "old_host_ed25519")
     keytype, b64 = Path(f"{impostor}.pub").read_text().split()[:2]
@@ -353,6 +331,7 @@ def test_changed_host_key_is_refused_showing_both_fingerprints(sshd: FakeHost, t
     assert own.read_bytes() == before
 
 
+@pytest.mark.slow
 def test_a_changed_jump_host_key_is_refused_too(sshd: FakeHost, sshd_factory, tmp_path: Path):
     jump = sshd_factory("127.0.0.2")
     impostor = generate_key(tmp_path / "impostor")
@@ -369,6 +348,7 @@ def test_a_changed_jump_host_key_is_refused_too(sshd: FakeHost, sshd_factory, tm
     assert ssh_keygen_fingerprint(jump.tmp / "host_ed25519.pub") in str(info.value)
 
 
+@pytest.mark.slow
 def test_users_known_hosts_is_read_but_never_written(sshd: FakeHost, isolated_home: Path, tmp_path: Path):
     users = isolated_home / ".ssh" / "known_hosts"
     users.write_text(sshd.host_key_line + "\n")
@@ -387,6 +367,7 @@ def key_material(path: Path) -> list[str]:
     return [ln for ln in path.read_text().splitlines() if ln and not ln.startswith("-----")]
 
 
+@pytest.mark.slow
 def test_wrong_key_is_an_auth_failure_without_key_material(sshd: FakeHost, tmp_path: Path):
     wrong = generate_key(tmp_path / "wrong_ed25519")
     t = sshd.ssh(identity_file=str(wrong))
@@ -398,6 +379,7 @@ def test_wrong_key_is_an_auth_failure_without_key_material(sshd: FakeHost, tmp_p
     assert info.value.exit_code == 4
 
 
+@pytest.mark.slow
 def test_a_passphrase_protected_key_is_named_not_shown(sshd: FakeHost, tmp_path: Path):
     locked = tmp_path / "locked_ed25519"
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "correct horse", "-f", str(locked)], check=True)
@@ -435,8 +417,8 @@ def journal(workdir: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_a_client_killed_mid_deploy_leaves_the_host_to_finish(box):
-    config = box()
+def test_a_client_killed_mid_deploy_leaves_the_host_to_finish(demo_box):
+    config = demo_box()
     start_baseline(config)
     pristine = tree_sha256(config)
     s = session(config)
@@ -471,9 +453,9 @@ def test_a_client_killed_mid_deploy_leaves_the_host_to_finish(box):
 
 
 @pytest.mark.slow
-def test_a_worker_killed_mid_switch_is_undone_by_the_next_deploy(box):
+def test_a_worker_killed_mid_switch_is_undone_by_the_next_deploy(demo_box):
     """kill -9 of the host-side worker right after the swap: the next deploy recovers, then deploys."""
-    config = box()
+    config = demo_box()
     s = session(config)
     agent, host = s.agent, s.host
     pristine = tree_sha256(config)
@@ -507,8 +489,8 @@ def test_a_worker_killed_mid_switch_is_undone_by_the_next_deploy(box):
 
 
 @pytest.mark.slow
-def test_crash_on_start_rolls_back_to_the_serving_release(box):
-    config = box()
+def test_crash_on_start_rolls_back_to_the_serving_release(demo_box):
+    config = demo_box()
     old = start_baseline(config)
     pristine = tree_sha256(config)
     s = session(config)
@@ -531,8 +513,8 @@ def test_crash_on_start_rolls_back_to_the_serving_release(box):
 
 
 @pytest.mark.slow
-def test_hang_on_start_times_out_and_rolls_back(box):
-    config = box()
+def test_hang_on_start_times_out_and_rolls_back(demo_box):
+    config = demo_box()
     start_baseline(config)
     pristine = tree_sha256(config)
     s = session(config)
@@ -551,9 +533,9 @@ def test_hang_on_start_times_out_and_rolls_back(box):
 
 
 @pytest.mark.slow
-def test_sigterm_ignored_is_killed_after_grace_and_nothing_else_is(demo, owned, lifecycle_root):
-    s, _ = demo
-    before = tree_sha256(lifecycle_root / "site")
+def test_sigterm_ignored_is_killed_after_grace_and_nothing_else_is(demo, owned):
+    s, config = demo
+    before = tree_sha256(config)
     decoy = spawn(owned, [sys.executable, "-c", "import time; time.sleep(600)", "-m", "sglang.launch_server",
                           "--port", str(s.host.port)], start_new_session=True)
     pid = start(s, "--sim-ignore-sigterm")
@@ -563,28 +545,28 @@ def test_sigterm_ignored_is_killed_after_grace_and_nothing_else_is(demo, owned, 
     assert result["escalated"] is True and result["gpu"]["checked"] is True
     assert not any(alive(p) for p in tree)
     assert alive(decoy.pid)
-    assert tree_sha256(lifecycle_root / "site") == before
+    assert tree_sha256(config) == before
 
 
 # =========================================================================== orphans and processes that are not ours
 
 
 @pytest.mark.slow
-def test_orphaned_child_holding_the_port_is_swept(demo, lifecycle_root):
-    s, _ = demo
-    before = tree_sha256(lifecycle_root / "site")
+def test_orphaned_child_holding_the_port_is_swept(demo):
+    s, config = demo
+    before = tree_sha256(config)
     start(s, "--sim-orphan-child")
     lifecycle.wait_ready(s.agent, 120)
     result = lifecycle.stop_server(s.agent, grace=10)
     swept = [p for p in result["swept"] if "sglang::orphan" in " ".join(p["cmdline"])]
     assert swept and not alive(swept[0]["pid"])
     assert not listening(s.host.port)
-    assert tree_sha256(lifecycle_root / "site") == before
+    assert tree_sha256(config) == before
 
 
 @pytest.mark.slow
-def test_decoy_and_second_server_are_untouched(box, owned):
-    config = box()
+def test_decoy_and_second_server_are_untouched(demo_box, owned):
+    config = demo_box()
     start_baseline(config)
     pristine = tree_sha256(config)
     decoy = spawn(owned, [sys.executable, "-c", "import sys,time; time.sleep(600)", "-m", "sglang.launch_server"],
@@ -605,8 +587,8 @@ def test_decoy_and_second_server_are_untouched(box, owned):
 
 
 @pytest.mark.slow
-def test_foreign_process_on_the_port_is_refused_and_left_alone(box):
-    config = box()
+def test_foreign_process_on_the_port_is_refused_and_left_alone(demo_box):
+    config = demo_box()
     s = session(config)
     pristine = tree_sha256(config)
     with socket.socket() as foreign:
@@ -628,8 +610,8 @@ def test_foreign_process_on_the_port_is_refused_and_left_alone(box):
 
 
 @pytest.mark.slow
-def test_second_operation_is_refused_naming_the_first(box):
-    config = box()
+def test_second_operation_is_refused_naming_the_first(demo_box):
+    config = demo_box()
     start_baseline(config)
     pristine = tree_sha256(config)
     s = session(config)
@@ -676,6 +658,7 @@ def test_second_operation_is_refused_naming_the_first(box):
 # =========================================================================== pct losing exit codes
 
 
+@pytest.mark.slow
 def test_exit_status_survives_an_lxc_that_loses_it(sshd: FakeHost):
     sshd.make_ct(LOSSY_CT, lose_exit_status=True)
     ssh = sshd.ssh()
@@ -692,6 +675,7 @@ def test_exit_status_survives_an_lxc_that_loses_it(sshd: FakeHost):
     ("/opt/nowhere/bin/python3", 3, "not found"),
     (sys.executable, 0, ""),
 ])
+@pytest.mark.slow
 def test_the_cli_exit_code_survives_an_lxc_that_loses_it(sshd: FakeHost, tmp_path: Path, python: str, code: int,
                                                          fragment: str):
     sshd.make_ct(LOSSY_CT, lose_exit_status=True)

@@ -35,6 +35,8 @@ from lifecycle_harness import Box, alive, box, listening, make_box, wait_for  # 
 from sshd_harness import free_port
 from demo_box import dynctl, server_info, server_pid, session, start_baseline, tree_sha256
 
+pytestmark = pytest.mark.slow
+
 # An sglang "launcher" that is loading (it never opens its port): what an operator started by hand, or
 # another user's server on this machine. dynctl did not start it, so it must never signal it.
 _LAUNCHER = "import time\nwhile True:\n    time.sleep(60)\n"

@@ -23,17 +23,24 @@ import pytest
 from dynctl import deploy as core
 from dynctl import operations, resources
 from dynctl.agent import AgentClient, AgentError
+from dynctl.cli.common import HostSession
 from dynctl.config import HostConfig
 from dynctl.errors import ConfigError, DynctlError, PreflightError
 from dynctl.patching.host import apply_plan, plan_for_apply, read_patch_state
 from dynctl.transport.local import Local
 from polling import wait_for
 from demo_box import CTID, dynctl, server_info, server_pid, session, start_baseline, tree_sha256, with_text
-from test_deploy_e2e import box  # noqa: F401 - fixture
-from test_operations import local_demo  # noqa: F401 - fixture
 from test_patch_agent import _mounted, make_box  # noqa: F401 - fixture
 
+pytestmark = pytest.mark.slow
+
 POLICY = "srt/speculative/spec_batch_threshold.py"
+
+
+@pytest.fixture
+def local_demo(demo_box) -> HostSession:
+    """A demo host on this machine (no SSH), its server not started."""
+    return session(demo_box(via="local"))
 
 
 def workdir_of(config: Path) -> Path:
@@ -79,9 +86,9 @@ def op_events(workdir: Path) -> list[dict]:
 
 
 @pytest.mark.parametrize("verb", ["deploy", "rollback", "restart"])
-def test_connection_cut_right_after_the_start_is_followed_to_what_the_host_did(box, sshd, cut_when, verb):
+def test_connection_cut_right_after_the_start_is_followed_to_what_the_host_did(demo_box, sshd, cut_when, verb):
     """The SSH sessions die the moment the host takes its lock: the host finishes, and the client says so."""
-    config = box()
+    config = demo_box()
     old = start_baseline(config)
     pristine = tree_sha256(config)
     if verb == "rollback":
@@ -110,9 +117,9 @@ def test_connection_cut_right_after_the_start_is_followed_to_what_the_host_did(b
 
 
 @pytest.mark.parametrize("when", ["stop", "start", "ready"])
-def test_connection_cut_during_stop_or_start_reports_what_the_host_did(box, sshd, cut_when, when):
+def test_connection_cut_during_stop_or_start_reports_what_the_host_did(demo_box, sshd, cut_when, when):
     """stop and start are verbs that find what an earlier request did: after the cut, the client sends them again."""
-    config = box()
+    config = demo_box()
     workdir = workdir_of(config)
     if when == "stop":
         start_baseline(config)
@@ -164,8 +171,8 @@ def interrupt_dynctl(config: Path, args: list[str], when: Callable[[], bool]) ->
     return proc.returncode, out, err
 
 
-def test_ctrl_c_during_a_deploy_says_it_goes_on_and_ops_follow_reattaches(box):
-    config = box(DYNCTL_SIM_SLOW_HEALTH="2")  # a health gate long enough to press Ctrl-C in
+def test_ctrl_c_during_a_deploy_says_it_goes_on_and_ops_follow_reattaches(demo_box):
+    config = demo_box(DYNCTL_SIM_SLOW_HEALTH="2")  # a health gate long enough to press Ctrl-C in
     start_baseline(config)
     workdir = workdir_of(config)
     rc, out, err = interrupt_dynctl(config, ["deploy", "--threshold", "5"],
@@ -184,8 +191,8 @@ def test_ctrl_c_during_a_deploy_says_it_goes_on_and_ops_follow_reattaches(box):
 
 
 @pytest.mark.parametrize("verb", ["restart", "start"])
-def test_ctrl_c_during_a_restart_or_a_start_exits_130_saying_it_goes_on(box, verb):
-    config = box(DYNCTL_SIM_SLOW_HEALTH="2")
+def test_ctrl_c_during_a_restart_or_a_start_exits_130_saying_it_goes_on(demo_box, verb):
+    config = demo_box(DYNCTL_SIM_SLOW_HEALTH="2")
     workdir = workdir_of(config)
     if verb == "restart":
         start_baseline(config)
@@ -468,7 +475,7 @@ def test_an_interrupted_release_names_the_host_and_rollback_recovers_it(local_de
     refused = dynctl("deploy", "--threshold", "7", "--yes", config=config)
     assert refused.returncode == 3
     said = " ".join(refused.stderr.split())
-    assert f"demo: release {release} was interrupted" in said and "`dynctl rollback` reverts it" in said
+    assert f"box: release {release} was interrupted" in said and "`dynctl rollback` reverts it" in said
     back = dynctl("rollback", "--yes", config=config)
     assert back.returncode == 0, back.stdout + back.stderr
     assert f"release {release} was interrupted; reverting it first" in back.stdout + back.stderr

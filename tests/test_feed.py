@@ -21,6 +21,8 @@ from dynctl.snapshot import HostHistory, HostSnapshot
 from lifecycle_harness import wait_for as wait_until
 from watch_server import SglangLikeServer, record_as_server
 
+pytestmark = pytest.mark.slow
+
 
 class Recorder:
     """The feed's callback: keeps every snapshot, lets the test wait for one."""

@@ -72,6 +72,7 @@ def connect(host: FakeHost, kh: str, **kw):
 # ---- @cert-authority
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pattern", ["*", "[127.0.0.1]:*", "[127.0.0.*]:*,!example.org"])
 def test_a_host_certificate_signed_by_a_trusted_ca_is_accepted(cert_host, ca, tmp_path, pattern):
     host = cert_host()
@@ -81,6 +82,7 @@ def test_a_host_certificate_signed_by_a_trusted_ca_is_accepted(cert_host, ca, tm
     assert Path(kh).read_text().count("\n") == 1  # nothing was added anywhere
 
 
+@pytest.mark.slow
 def test_cert_authority_in_the_users_known_hosts_works_from_the_cli(cert_host, ca, tmp_path, isolated_home):
     """The marker used to make every command exit 2 ("unreadable known_hosts file")."""
     host = cert_host()
@@ -99,6 +101,7 @@ def test_cert_authority_in_the_users_known_hosts_works_from_the_cli(cert_host, c
     ("127.0.0.1", "-2h:-1h", "expired at"),
     ("127.0.0.1", "+1h:+2h", "is not valid before"),
 ])
+@pytest.mark.slow
 def test_an_invalid_certificate_from_a_trusted_ca_is_refused(cert_host, ca, tmp_path, principals, validity,
                                                              fragment):
     host = cert_host(principals, validity)
@@ -112,6 +115,7 @@ def test_an_invalid_certificate_from_a_trusted_ca_is_refused(cert_host, ca, tmp_
     assert info.value.exit_code == 4
 
 
+@pytest.mark.slow
 def test_a_certificate_from_an_untrusted_ca_falls_back_to_the_plain_key(cert_host, ca, tmp_path):
     rogue = make_key(tmp_path / "rogue_ca")
     host = cert_host(signer=rogue)
@@ -128,6 +132,7 @@ def test_a_certificate_from_an_untrusted_ca_falls_back_to_the_plain_key(cert_hos
 # ---- @revoked
 
 
+@pytest.mark.slow
 def test_a_revoked_key_is_refused_even_when_also_trusted(sshd: FakeHost, tmp_path):
     key = sshd.tmp / "host_ed25519"
     kh = known_hosts(tmp_path, sshd.host_key_line, f"@revoked * {pub(key)}")
@@ -140,6 +145,7 @@ def test_a_revoked_key_is_refused_even_when_also_trusted(sshd: FakeHost, tmp_pat
     assert Path(kh).read_bytes() == before
 
 
+@pytest.mark.slow
 def test_a_revoked_ca_vouches_for_nothing(cert_host, ca, tmp_path):
     host = cert_host()
     kh = known_hosts(tmp_path, f"@cert-authority * {pub(ca)}", f"@revoked * {pub(ca)}")
@@ -147,6 +153,7 @@ def test_a_revoked_ca_vouches_for_nothing(cert_host, ca, tmp_path):
         host.ssh(known_hosts_path=kh).run(["true"])
 
 
+@pytest.mark.slow
 def test_revoked_applies_only_to_the_hosts_it_names(sshd: FakeHost, tmp_path):
     kh = known_hosts(tmp_path, sshd.host_key_line, f"@revoked other.example {pub(sshd.tmp / 'host_ed25519')}")
     connect(sshd, kh)
@@ -155,6 +162,7 @@ def test_revoked_applies_only_to_the_hosts_it_names(sshd: FakeHost, tmp_path):
 # ---- patterns
 
 
+@pytest.mark.slow
 def test_hashed_names_are_matched(sshd: FakeHost, tmp_path):
     kh = known_hosts(tmp_path, sshd.host_key_line)
     keygen("-H", "-f", kh)
@@ -162,6 +170,7 @@ def test_hashed_names_are_matched(sshd: FakeHost, tmp_path):
     connect(sshd, kh)
 
 
+@pytest.mark.slow
 def test_wildcards_and_negation(sshd: FakeHost, tmp_path):
     key = pub(sshd.tmp / "host_ed25519")
     connect(sshd, known_hosts(tmp_path, f"[127.0.0.?]:{sshd.port} {key}"))
@@ -182,6 +191,7 @@ def test_pattern_semantics(patterns, name, expected):
     assert host_matches(patterns, name) is expected
 
 
+@pytest.mark.slow
 def test_only_the_known_key_type_is_asked_for(sshd_factory, tmp_path):
     """With only its RSA key known, a host that also has an ed25519 key must be asked for the RSA one."""
     def add_rsa(host_key: Path) -> str:
@@ -196,6 +206,7 @@ def test_only_the_known_key_type_is_asked_for(sshd_factory, tmp_path):
 # ---- lines dynctl cannot read
 
 
+@pytest.mark.slow
 def test_lines_it_cannot_read_are_skipped_with_a_warning(sshd: FakeHost, tmp_path, caplog):
     """Broken lines are named; a key is decoded only for lines about this host, so only those are checked."""
     me = f"[127.0.0.1]:{sshd.port}"

@@ -18,6 +18,8 @@ from dynctl.agent import AgentError
 from lifecycle_harness import SLEEPER, Box, alive, box, listening, wait_for  # noqa: F401 - box is a fixture
 from sshd_harness import free_port
 
+pytestmark = pytest.mark.slow
+
 
 def start_ticks(pid: int) -> int:
     with open(f"/proc/{pid}/stat") as f:

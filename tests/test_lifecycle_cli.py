@@ -17,6 +17,8 @@ from dynctl.cli import lifecycle as lifecycle_cli
 from lifecycle_harness import SHIM, alive, listening, wait_for
 from sshd_harness import FakeHost, free_port
 
+pytestmark = pytest.mark.slow
+
 CTID = 129
 
 

@@ -7,56 +7,25 @@ tracebacks behind a log prefix, and a fake nvidia-smi listing the schedulers as 
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterator
-from pathlib import Path
-
 import psutil
 import pytest
 import typer
+from demo_box import session as open_session
 from typer.testing import CliRunner
 
 from dynctl import events, lifecycle
 from dynctl.cli import lifecycle as lifecycle_cli
-from dynctl.cli.common import HostSession, open_host
-from dynctl.sim.hostsetup import prepare_demo_host
-from dynctl.transport import close_all
+from dynctl.cli.common import HostSession
 from lifecycle_harness import alive, wait_for
-from sglang_trees import sglang_wheel
-from sshd_harness import FakeHost, free_port
 
-CTID = 131
-
-
-@pytest.fixture(scope="module")
-def demo_root(sshd: FakeHost) -> Path:
-    """One demo host (sglang 0.5.9 installed, fake nvidia-smi) inside container 131, shared by these tests."""
-    sshd.make_ct(CTID)
-    root = sshd.ct_root(CTID) / "demo"
-    prepare_demo_host(root, "0.5.9", cache_dir=sglang_wheel("0.5.9").parent, time_scale=50)
-    return root
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
-def demo(demo_root: Path, sshd: FakeHost, tmp_path: Path) -> Iterator[tuple[HostSession, str]]:
-    """(session, config path) for a fresh port and workdir on the demo host; the server is killed after."""
-    entry = prepare_demo_host(demo_root, "0.5.9", free_port(), cache_dir=sglang_wheel("0.5.9").parent,
-                              time_scale=50)
-    entry.update(ssh=sshd.target, pct=CTID, workdir=str(tmp_path / "work"))
-    cfg = str(sshd.write_config(tmp_path / "dynctl.toml", {"demo": entry}, default_host="demo"))
-    session = open_host("demo", cfg)
-    try:
-        yield session, cfg
-    finally:
-        close_all()
-        rec = tmp_path / "work" / "server.json"
-        marker = json.loads(rec.read_text()).get("marker") if rec.exists() else None
-        for p in psutil.process_iter():
-            try:
-                if marker and p.environ().get("DYNCTL_SERVER_ID") == marker:
-                    p.kill()
-            except psutil.Error:
-                continue
+def demo(demo_box) -> tuple[HostSession, str]:
+    """(session, config path) of a demo host inside container 129, its server not started."""
+    config = demo_box(time_scale=50)
+    return open_session(config), str(config)
 
 
 def start(session: HostSession, *flags: str, evs: list | None = None) -> int:

@@ -21,7 +21,6 @@ from sglang_trees import sglang_wheel
 from dynctl.errors import PreflightError, UsageError
 from dynctl.native import (
     exec_release_source,
-    native_launch,
     parse_launch_args,
     plan_native,
     spec_capture_batch_sizes,
@@ -51,13 +50,14 @@ def test_config_routes_every_batch_size_as_planned(version: str, threshold: int)
 
 
 def test_the_config_text_and_flags() -> None:
-    config, argv = native_launch(32, 3, config_path="/root/.dynctl/releases/0001/adaptive_spec.json")
+    plan = plan_native(32, 3, config_path="/root/.dynctl/releases/0001/adaptive_spec.json")
+    config, argv = plan.config_json, plan.argv
     assert json.loads(config) == {"1": {"candidate_steps": [3]}, "33": {"candidate_steps": [0]}}
     assert argv == ["--speculative-adaptive", "--speculative-adaptive-config",
                     "/root/.dynctl/releases/0001/adaptive_spec.json", "--speculative-eagle-topk", "1",
                     "--speculative-num-steps", "3", "--speculative-num-draft-tokens", "4"]
     # the server args already say steps and topk: only the adaptive flags are added
-    assert native_launch(32, args=STEPS_ARGS)[1] == ["--speculative-adaptive", "--speculative-adaptive-config",
+    assert plan_native(32, args=STEPS_ARGS).argv == ["--speculative-adaptive", "--speculative-adaptive-config",
                                                       "adaptive_spec.json"]
 
 
@@ -69,7 +69,8 @@ def test_threshold_zero_keeps_the_configured_steps_among_the_candidates() -> Non
 
 
 def test_never_disable_means_no_adaptive_config() -> None:
-    assert native_launch(-1, 3) == (None, [])
+    plan = plan_native(-1, 3)
+    assert (plan.config_json, plan.argv) == (None, [])
 
 
 @pytest.mark.parametrize(("threshold", "effective", "padded"), [(9, 8, 10), (33, 32, 40), (47, 44, 48), (100, 96, 104)])

@@ -8,29 +8,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from demo_box import session
 
 from dynctl import deploy as core
 from dynctl import events
-from dynctl.cli.common import open_host
-from dynctl.sim.hostsetup import prepare_demo_host
-from dynctl.transport import close_all
-from sglang_trees import sglang_wheel
-from sshd_harness import free_port, toml_value
 
-
-@pytest.fixture
-def local_demo(tmp_path: Path):
-    entry = prepare_demo_host(tmp_path / "demo", port=free_port(), cache_dir=sglang_wheel("0.5.9").parent,
-                              time_scale=20)
-    config = tmp_path / "dynctl.toml"
-    config.write_text("[hosts.demo]\n" + "".join(f"{k} = {toml_value(v)}\n" for k, v in entry.items()))
-    session = open_host("demo", str(config))
-    try:
-        yield session
-    finally:
-        close_all()
-        subprocess.run([sys.executable, "-m", "dynctl", "stop", "--yes", "--grace", "5", "--config", str(config)],
-                       capture_output=True, stdin=subprocess.DEVNULL, timeout=120)
+pytestmark = pytest.mark.slow
 
 
 def dead_pid() -> int:
@@ -39,7 +22,8 @@ def dead_pid() -> int:
     return proc.pid
 
 
-def test_a_dead_holders_lock_is_taken_over_with_a_warning(local_demo):
+def test_a_dead_holders_lock_is_taken_over_with_a_warning(demo_box):
+    local_demo = session(demo_box(via="local"))
     workdir = Path(local_demo.host.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "lock").write_text(json.dumps({"operation": "deploy", "who": "alice", "pid": dead_pid(),

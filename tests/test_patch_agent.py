@@ -31,6 +31,8 @@ from dynctl.patching.host import apply_plan, plan_for_apply, read_patch_state
 from dynctl.patching.recipe import target_files
 from dynctl.transport.local import Local
 
+pytestmark = pytest.mark.slow
+
 PATCH_VERSIONS = ["0.5.6", "0.5.7", "0.5.8", "0.5.9", "0.5.10", "0.5.11", "0.5.12"]
 SERVER_ARGS = "srt/server_args.py"
 

@@ -8,7 +8,7 @@ import zipfile
 from functools import cache
 
 import pytest
-from patch_checks import check_all
+from patch_checks import check_all, unpatched_text
 from sglang_trees import sglang_wheel
 
 from dynctl.errors import PreflightError, UsageError
@@ -23,7 +23,6 @@ from dynctl.patching import (
     strategy_for,
     variant_for,
 )
-from dynctl.patching.engine import unpatched_text
 from dynctl.patching.recipe import NEW_MODULE, SERVER_ARGS
 
 PATCH_VERSIONS = ["0.5.6", "0.5.7", "0.5.8", "0.5.9", "0.5.10", "0.5.11", "0.5.12"]

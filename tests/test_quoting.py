@@ -17,6 +17,8 @@ from dynctl.transport.local import Local
 from dynctl.transport.pct import Pct
 from sshd_harness import FakeHost
 
+pytestmark = pytest.mark.slow
+
 AWKWARD = [
     "", " ", "two words", "it's", 'say "hi"', "$HOME", "${PATH}", "$(id -u)", "`id`", "back\\slash",
     "trailing\\", "\\$HOME", "line\nbreak", "tab\there", "*", "~", ";", "&&", "|", "-n", "--", "!bang",

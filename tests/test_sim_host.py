@@ -13,7 +13,10 @@ import pytest
 from dynctl.config import parse_config
 from dynctl.sim.hostsetup import prepare_demo_host
 from sglang_trees import cache_dir, sglang_wheel
-from test_sim_harness import alive, free_port, wait_for
+from polling import alive, wait_for
+from sshd_harness import free_port
+
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

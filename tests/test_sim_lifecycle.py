@@ -14,10 +14,12 @@ from pathlib import Path
 
 import httpx
 import psutil
+import pytest
 
-from test_sim_harness import (  # noqa: F401 - fixtures
-    SPEC_ARGS, alive, listeners, patched_site_059, site_059, start_sim, wait_for,
-)
+from polling import alive, wait_for
+from sim_harness import SPEC_ARGS, listeners
+
+pytestmark = pytest.mark.slow
 
 FAST = ["--time-scale", "20", "--sim-load-seconds", "1", "--model-path", "/models/m"]
 

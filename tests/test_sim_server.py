@@ -18,7 +18,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from test_sim_harness import SPEC_ARGS, Sim, patched_site_059, wait_for  # noqa: F401 - fixture
+from sim_harness import SPEC_ARGS, Sim, wait_for
+
+pytestmark = pytest.mark.slow
 
 THRESHOLD = 4
 

@@ -17,7 +17,9 @@ import time
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from test_sim_harness import SPEC_ARGS, patched_site_059, start_sim  # noqa: F401 - fixtures
+from sim_harness import SPEC_ARGS
+
+pytestmark = pytest.mark.slow
 
 # The GPU run's windows spread by 1-65 % (spread_pct); the simulator is steadier, but its loop carries HTTP
 # and Python costs of its own (measured here on 2 loaded cores: every level within 3 %).

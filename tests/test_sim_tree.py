@@ -12,12 +12,13 @@ import tempfile
 from pathlib import Path
 
 import httpx
+import pytest
 
 from dynctl.sim.serverargs import build_parser, read_server_args
 from sglang_trees import install_sglang
-from test_sim_harness import (  # noqa: F401 - fixtures
-    SPEC_ARGS, install_patched, patched_site_059, site_059, start_sim,
-)
+from sim_harness import SPEC_ARGS, install_patched
+
+pytestmark = pytest.mark.slow
 
 FAST = ["--time-scale", "20", "--sim-load-seconds", "1", "--model-path", "/models/m"]
 SPEC_V2 = {"SGLANG_ENABLE_SPEC_V2": "1"}

@@ -17,6 +17,8 @@ from dynctl.transport.local import Local
 from dynctl.transport.pct import RC_MARK, Pct
 from sshd_harness import FakeHost
 
+pytestmark = pytest.mark.slow
+
 _next_ct = iter(range(200, 1000))
 
 

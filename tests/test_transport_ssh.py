@@ -5,23 +5,26 @@ Host-key and secret scenarios (SPEC §9) are in test_faults.py, known_hosts synt
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import http.server
 import os
 import socket
 import threading
-import time
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
-from polling import wait_for
+from polling import finishes, wait_for
 from sshd_harness import FakeHost, connection_owner, free_port
 
 from dynctl.config import SSHTarget, load_config
 from dynctl.errors import ConfigError, UnreachableError
 from dynctl.transport import close_all, connect
 from dynctl.transport.ssh import SSH
+
+pytestmark = pytest.mark.slow
 
 
 # ---- commands
@@ -45,13 +48,11 @@ def test_runs_in_the_sessions_home_not_the_machines(sshd: FakeHost):
 def test_ten_mib_on_stdout_and_stderr_at_once_do_not_hang(sshd: FakeHost):
     t = sshd.ssh()
     # tee writes each block to both streams in turn: a client that drains one stream at a time
-    # stops reading the other after paramiko's 2 MiB window and both sides wait forever.
-    start = time.monotonic()
+    # stops reading the other after paramiko's 2 MiB window and both sides wait forever (the timeout says so).
     res = t.run(["sh", "-c", "head -c 10485760 /dev/urandom | tee /dev/stderr"], timeout=60)
     assert res.rc == 0
     assert len(res.out) == len(res.err) == 10 * 1024 * 1024
     assert hashlib.sha256(res.out).digest() == hashlib.sha256(res.err).digest()
-    assert time.monotonic() - start < 30
 
 
 def test_stderr_first_then_stdout_large(sshd: FakeHost):
@@ -66,18 +67,14 @@ def test_stdin_is_passed_through_byte_exact(sshd: FakeHost):
 
 
 def test_stdin_is_closed_when_not_given(sshd: FakeHost):
-    start = time.monotonic()
-    res = sshd.ssh().run(["cat"], timeout=10)
+    res = sshd.ssh().run(["cat"], timeout=30)  # an open stdin keeps cat waiting: the timeout is an error
     assert (res.rc, res.out) == (0, b"")
-    assert time.monotonic() - start < 5
 
 
 def test_command_timeout_is_an_error_naming_the_command(sshd: FakeHost):
     t = sshd.ssh()
-    start = time.monotonic()
     with pytest.raises(UnreachableError, match=r"sleep did not finish within 1 s") as info:
-        t.run(["sleep", "20"], timeout=1)
-    assert time.monotonic() - start < 4
+        t.run(["sleep", "20"], timeout=1)  # without the timeout: rc 0 after 20 s, no error
     assert info.value.exit_code == 4
     assert t.run(["true"]).rc == 0  # the connection is still usable
 
@@ -215,11 +212,9 @@ def test_closed_port_is_unreachable_within_the_connect_timeout(sshd: FakeHost):
     port = free_port()
     t = SSH(SSHTarget("root", "127.0.0.1", port), known_hosts_path=str(sshd.trusted_known_hosts()),
             identity_file=str(sshd.client_key), connect_timeout=2)
-    start = time.monotonic()
     with pytest.raises(UnreachableError, match=rf"connection refused by 127\.0\.0\.1:{port}") as info:
-        t.run(["true"])
+        t.run(["true"])  # refused, not timed out: that message would name the timeout
     assert info.value.exit_code == 4
-    assert time.monotonic() - start < 2
 
 
 def test_silent_port_times_out_on_the_banner(sshd: FakeHost):
@@ -229,10 +224,8 @@ def test_silent_port_times_out_on_the_banner(sshd: FakeHost):
         port = silent.getsockname()[1]
         t = SSH(SSHTarget("root", "127.0.0.1", port), known_hosts_path=str(sshd.trusted_known_hosts()),
                 identity_file=str(sshd.client_key), connect_timeout=1)
-        start = time.monotonic()
         with pytest.raises(UnreachableError, match=rf"127\.0\.0\.1:{port} but got no SSH banner within 1 s"):
-            t.run(["true"])
-        assert time.monotonic() - start < 4
+            finishes(lambda: t.run(["true"]), 60, "the connection to a port that never speaks SSH")
 
 
 class _Peer:
@@ -374,13 +367,11 @@ def test_jump_host_down_names_the_jump_host(sshd: FakeHost, sshd_factory, tmp_pa
     ))
     t = SSH(SSHTarget(sshd.user, "target", None), ssh_config_path=cfg, identity_file=str(sshd.client_key),
             known_hosts_path=trust(tmp_path / "kh", sshd, jump), connect_timeout=3)
-    start = time.monotonic()
     with pytest.raises(UnreachableError) as info:
         t.run(["true"])
     message = str(info.value)
     assert f"jump host root@127.0.0.2:{jump_port}" in message and "connection refused" in message
     assert info.value.exit_code == 4
-    assert time.monotonic() - start < 3
 
 
 def test_jump_host_that_cannot_reach_the_target(sshd: FakeHost, sshd_factory, tmp_path: Path):
@@ -469,10 +460,14 @@ def test_closing_a_stream_from_another_thread_ends_its_reader(sshd: FakeHost):
 
 
 def test_command_that_leaves_a_child_holding_stdout_still_returns(sshd: FakeHost):
-    start = time.monotonic()
-    res = sshd.ssh().run(["sh", "-c", "sleep 8 & echo started"], timeout=20)
-    assert (res.rc, res.out) == (0, b"started\n")
-    assert time.monotonic() - start < 5
+    # waiting for the child's end of stdout would run into the timeout, an error
+    res = sshd.ssh().run(["sh", "-c", "sleep 600 & echo $!"], timeout=60)
+    child = psutil.Process(int(res.out))  # psutil's kill refuses a pid reused since: only this sleep is hit
+    try:
+        assert res.rc == 0 and child.cmdline() == ["sleep", "600"]
+    finally:
+        with contextlib.suppress(psutil.Error):
+            child.kill()
 
 
 def test_proxycommand_is_refused_rather_than_bypassed(tmp_path: Path):

@@ -1,87 +1,23 @@
 """The dashboard's behaviour with Pilot: snapshots in, indicators, banner, keys, modals, read-only, hosts.
 
 The feed is a PushFeed (the same histories and callback as the live one) fed with `watch` items in the
-agent's exact shape; actions are recorded by a small HostActions implementation.
+agent's exact shape; actions are recorded by a small HostActions implementation (tests/tui_harness.py).
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any
 
 import pytest
 from textual.widgets import Input
-
-from dynctl.feed import PushFeed
-from dynctl.snapshot import HostSnapshot, disconnected
-from dynctl.tui.app import DynctlApp, HostUpdated, create_app
-from dynctl.tui.modals import ConfirmModal, ThresholdModal
-from dynctl.tui.widgets import ActionLog, Banner, ChartPanel, HeaderBar, HostsBar, LoadPanel, LogTail, SpeculationPanel
+from tui_harness import T0, Harness, log_text
 from watch_items import decode_line, item, ramp, transition_line
 
-T0 = 1_795_950_000.0  # a fixed host time (UTC)
+from dynctl.snapshot import HostSnapshot, disconnected
+from dynctl.tui.app import HostUpdated
+from dynctl.tui.modals import ConfirmModal, ThresholdModal
+from dynctl.tui.widgets import ActionLog, Banner, ChartPanel, HeaderBar, HostsBar, LoadPanel, LogTail, SpeculationPanel
 
-
-class RecordingActions:
-    """HostActions that records what the keys asked for and reports progress like the core does."""
-
-    def __init__(self, host: str, calls: list[tuple[str, str, Any]], gate: threading.Event | None = None) -> None:
-        self.host, self.calls, self.gate = host, calls, gate
-
-    def _run(self, name: str, arg: Any, on_event: Any) -> str:
-        self.calls.append((self.host, name, arg))
-        on_event({"type": "step_started", "step": f"{name} step", "detail": "first"})
-        if self.gate is not None:
-            assert self.gate.wait(10)
-        on_event({"type": "step_done", "step": f"{name} step", "seconds": 0.25})
-        return "ok"
-
-    def deploy(self, threshold: int, on_event: Any) -> str:
-        return self._run("deploy", threshold, on_event)
-
-    def rollback(self, on_event: Any) -> str:
-        return self._run("rollback", None, on_event)
-
-    def set_threshold(self, n: int) -> int:
-        self.calls.append((self.host, "set_threshold", n))
-        return n
-
-    def stop(self, on_event: Any) -> str:
-        return self._run("stop", None, on_event)
-
-    def start(self, on_event: Any) -> str:
-        return self._run("start", None, on_event)
-
-    def restart(self, on_event: Any) -> str:
-        return self._run("restart", None, on_event)
-
-    def bench(self, on_event: Any) -> str:
-        return self._run("bench", None, on_event)
-
-
-class Harness:
-    def __init__(self, hosts: list[str], read_only: bool = False, actions: bool = True,
-                 gate: threading.Event | None = None) -> None:
-        self.calls: list[tuple[str, str, Any]] = []
-        self.feed: PushFeed | None = None
-
-        def feed_factory(on_update: Any) -> PushFeed:
-            self.feed = PushFeed(hosts, on_update)
-            return self.feed
-
-        factory = (lambda h: RecordingActions(h, self.calls, gate)) if actions else None
-        self.app: DynctlApp = create_app(hosts, feed_factory, factory, read_only=read_only, clock=lambda: T0 + 30)
-
-    def push(self, raw: dict[str, Any], host: str | None = None) -> HostSnapshot:
-        assert self.feed is not None
-        return self.feed.push_item(raw, host or self.app.hosts[0])
-
-    def panel(self, cls: type) -> Any:
-        return self.app.dashboard.query_one(cls)
-
-
-def log_text(log: LogTail | ActionLog) -> list[str]:
-    return [strip.text.rstrip() for strip in log.lines]
 
 
 @pytest.fixture
@@ -221,7 +157,7 @@ class TestKeysAndModals:
             await harness.app.workers.wait_for_complete()
             await pilot.pause()
             assert harness.calls == [("glm5", "set_threshold", 8)]
-            assert "threshold in force: 8" in log_text(harness.panel(ActionLog))[-1]
+            assert log_text(harness.panel(ActionLog))[-1].endswith("threshold 8 in force on glm5 (read back)")
 
     @pytest.mark.parametrize("key,action", [("r", "rollback"), ("s", "stop"), ("R", "restart"), ("b", "bench")])
     async def test_destructive_keys_confirm_first(self, harness: Harness, key: str, action: str) -> None:
@@ -260,14 +196,6 @@ class TestKeysAndModals:
             await h.app.workers.wait_for_complete()
             await pilot.pause()
             assert h.app.running == {} and [c[1] for c in h.calls] == ["start"]
-
-    async def test_unwired_actions_say_so(self) -> None:
-        h = Harness(["glm5"], actions=False)
-        async with h.app.run_test(size=(80, 24)) as pilot:
-            await pilot.press("S")
-            await h.app.workers.wait_for_complete()
-            await pilot.pause()
-            assert "start is not available yet (arrives with issue 5)" in log_text(h.panel(ActionLog))[-1]
 
     async def test_quit(self, harness: Harness) -> None:
         async with harness.app.run_test(size=(80, 24)) as pilot:
@@ -349,15 +277,38 @@ def test_updates_of_the_same_host_replace_each_other() -> None:
     assert newer.can_replace(a) and not newer.can_replace(b)
 
 
-def test_the_core_events_read_well_in_the_panel() -> None:
+def test_every_event_reads_as_one_line_by_its_type() -> None:
     from dynctl import events
-    from dynctl.tui.actions import describe_event
+    from dynctl.bench import events as bench
+    from dynctl.bench.plan import Mode
+    from dynctl.tui.progress import describe
 
-    assert describe_event(events.StepStarted("validate", "py_compile")) == ("info", "▶ validate — py_compile")
-    assert describe_event(events.StepDone("validate", 1.234)) == ("ok", "✔ validate (1.2 s)")
-    assert describe_event(events.LogLine("[x] compiling")) == ("log", "[x] compiling")
-    assert describe_event(events.Warning("tree drifted")) == ("warning", "⚠ tree drifted")
-    assert describe_event(events.Failed("health", "503 for 900 s")) == ("error", "✘ 503 for 900 s")
-    # the agent's operation events (op_follow) are dicts
-    assert describe_event({"type": "final", "final": True, "ok": False, "error": "rolled back"}) == ("error", "rolled back")
-    assert describe_event("plain text") == ("info", "plain text")
+    assert describe(events.StepStarted("validate", "py_compile")) == ("info", "▶ validate — py_compile")
+    assert describe(events.StepDone("validate", 1.234)) == ("ok", "✔ validate (1.2 s)")
+    assert describe(events.StepDone("stop", 0.5, "pid 7 exited after 115 ms")) == (
+        "ok", "✔ stop (0.5 s) — pid 7 exited after 115 ms")
+    assert describe(events.LogLine("[x] compiling")) == ("log", "[x] compiling")
+    assert describe(events.Note("release R in force")) == ("info", "release R in force")
+    assert describe(events.Warning("tree drifted")) == ("warning", "⚠ tree drifted")
+    assert describe(events.Failed("health", "503 for 900 s")) == ("error", "✘ 503 for 900 s")
+    assert describe(events.Finished("deploy", "deployed", "release R on glm5", 3.21)) == (
+        "ok", "deployed release R on glm5 (3.2 s)")
+    assert describe(events.Unchanged("stop", "server on glm5 is already stopped")) == (
+        "ok", "server on glm5 is already stopped")
+    no_spec = Mode.no_spec()
+    assert describe(bench.LevelStarted(no_spec, 4, 2, 7)) == ("info", "▶ no-spec c=4 — level 2/7")
+    assert describe(bench.LevelProgress(no_spec, 4, "measure", 1.0, 0.5, 3, 0, 4.0)) is None  # ticks: too many
+    level = {"max_concurrency": 4, "output_throughput": 512.3, "median_ttft_ms": 12.0,
+             "server": {"spec_on_share": 0.0, "mean_batch_size": 4.0}}
+    assert describe(bench.LevelDone(no_spec, level)) == (
+        "info", "no-spec c=4: 512 tok/s, TTFT p50 12 ms, batch 4.0, speculation 0% of steps")
+    assert describe(bench.ThresholdRestored(5)) == ("info", "threshold 5 put back")
+
+
+@pytest.mark.parametrize("raw", [{"type": "final", "ok": True}, "done", {"stopped": True, "pid": 7}])
+def test_what_is_not_an_event_is_refused_not_printed(raw) -> None:
+    """The panel once printed `stop done: {'stopped': True, ...}`: untyped values have no line of their own."""
+    from dynctl.tui.progress import describe
+
+    with pytest.raises(TypeError, match="not a progress event"):
+        describe(raw)

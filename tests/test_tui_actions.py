@@ -1,95 +1,115 @@
-"""The dashboard's keys drive the real core: live threshold and restart against a demo host."""
+"""The dashboard's keys and the CLI run the same core commands: against one demo host, each does and says the same."""
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
-import sys
 from pathlib import Path
 
+import httpx
 import pytest
+from demo_box import dynctl, server_info, server_pid, session
+from polling import wait_for
 from textual.widgets import Input
+from tui_harness import PushFeed
 
 from dynctl.config import load_config
-from dynctl.feed import LiveFeed
 from dynctl.host_actions import actions_for
-from dynctl.sim.hostsetup import prepare_demo_host
-from dynctl.transport import close_all
-from dynctl.tui.app import create_app
+from dynctl.lifecycle import server_argv
+from dynctl.tui.app import DynctlApp, create_app
 from dynctl.tui.widgets import ActionLog
-from sglang_trees import sglang_wheel
-from sshd_harness import free_port, toml_value
+
+pytestmark = pytest.mark.slow
 
 
-def dynctl(*args: str, config: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dynctl", *args, "--config", str(config)],
-                          capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=300)
+def dashboard(config: Path) -> DynctlApp:
+    """The TUI on host `box` with the product's actions; its feed stays quiet (the keys are the subject)."""
+    cfg = load_config(config)
+    return create_app(["box"], lambda on_update: PushFeed(["box"], on_update), actions_for(cfg, [cfg.host("box")]))
 
 
-@pytest.fixture
-def deployed(tmp_path: Path):
-    entry = prepare_demo_host(tmp_path / "demo", port=free_port(), cache_dir=sglang_wheel("0.5.9").parent,
-                              time_scale=20)
-    config = tmp_path / "dynctl.toml"
-    config.write_text("[hosts.demo]\n" + "".join(f"{k} = {toml_value(v)}\n" for k, v in entry.items()))
-    out = dynctl("deploy", "--threshold", "5", "--yes", config=config)
-    assert out.returncode == 0, out.stdout + out.stderr
-    try:
-        yield config
-    finally:
-        close_all()
-        dynctl("stop", "--yes", "--grace", "5", config=config)
+def threshold_now(config: Path) -> int | None:
+    return ((server_info(config) or {}).get("internal_states") or [{}])[0].get("speculative_disable_batch_threshold")
 
 
-def server_state(config: Path) -> tuple[int | None, int | None]:
-    from dynctl.cli.common import open_host
+async def press(app: DynctlApp, pilot, *keys: str) -> str:
+    """Press `keys`, wait for the action they start, return the last line it wrote (without clock and host)."""
+    log = app.dashboard.query_one(ActionLog)
+    before = len(log.lines_written)
+    await pilot.press(*keys)
+    await app.workers.wait_for_complete()
+    await pilot.pause()
+    assert len(log.lines_written) > before, f"{keys}: nothing written"
+    return log.lines_written[-1].split(" box ", 1)[1]
 
-    s = open_host("demo", str(config))
-    info = s.agent.call("server_info")["info"] or {}
-    pid = s.agent.call("server_find").get("pid")
-    return pid, (info.get("internal_states") or [{}])[0].get("speculative_disable_batch_threshold")
+
+def outcome(proc: subprocess.CompletedProcess) -> str:
+    """The CLI's last line: the same sentence the panel shows, with its own way of adding the time taken."""
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout.strip().splitlines()[-1]
 
 
-def lines(log: ActionLog) -> list[str]:
-    return [strip.text.rstrip() for strip in log.lines]
+def without_uptime(line: str) -> str:
+    return re.sub(r", up \d+ s", "", line)
 
 
 @pytest.mark.asyncio
-async def test_keys_change_the_threshold_and_restart_the_server(deployed: Path) -> None:
-    cfg = load_config(deployed)
-    hosts = [cfg.host("demo")]
-    app = create_app(["demo"], lambda on_update: LiveFeed(hosts, on_update, config=cfg, interval=0.5),
-                     actions=actions_for(cfg, hosts))
-    pid_before, _ = server_state(deployed)
+async def test_keys_change_the_threshold_and_restart_the_server(demo_box) -> None:
+    config = demo_box(via="local")
+    deployed = dynctl("deploy", "--threshold", "5", "--yes", config=config)
+    assert deployed.returncode == 0, deployed.stdout + deployed.stderr
+    pid_before = server_pid(config)
+    app = dashboard(config)
     async with app.run_test(size=(120, 40)) as pilot:
         await pilot.press("t")
         app.screen.query_one(Input).value = "9"
-        await pilot.press("enter")
-        await app.workers.wait_for_complete()
-        await pilot.pause()
-        assert "threshold in force: 9" in lines(app.dashboard.query_one(ActionLog))[-1]
-        assert server_state(deployed)[1] == 9
+        assert await press(app, pilot, "enter") == "threshold 9 in force on box (read back from /server_info)"
+        assert threshold_now(config) == 9
 
-        await pilot.press("R", "y")
-        await app.workers.wait_for_complete()
-        await pilot.pause()
-        assert "restart done" in lines(app.dashboard.query_one(ActionLog))[-1]
-    pid_after, threshold = server_state(deployed)
-    assert pid_after not in (None, pid_before)
-    assert threshold == 5  # a restart runs the release's recorded argv again: the deployed threshold
+        restarted = await press(app, pilot, "R", "y")
+        assert re.fullmatch(r"restarted the server on box: pid \d+ ready \(\d+\.\d s\)", restarted), restarted
+    assert server_pid(config) not in (None, pid_before)
+    assert threshold_now(config) == 5  # a restart runs the release's recorded argv again: the deployed threshold
 
 
-def test_bench_progress_reads_as_one_line_per_level() -> None:
-    from dynctl.bench.events import LevelDone, LevelProgress, LevelStarted
-    from dynctl.bench.plan import Mode
-    from dynctl.host_actions import _relay_bench
-    from dynctl.tui.actions import describe_event
+@pytest.mark.asyncio
+async def test_a_hand_started_server_meets_the_same_decisions_from_keys_and_commands(demo_box) -> None:
+    """Restart, start while running and stop while stopped: the key and the command decide and say alike."""
+    config = demo_box(via="local")
+    host = session(config).host
+    env = {**os.environ, **{k: v.replace("${PATH}", os.environ["PATH"]) for k, v in host.env.items()}}
+    by_hand = subprocess.Popen(server_argv(host), env=env, cwd=host.workdir, stdin=subprocess.DEVNULL,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_for(lambda: _serves(host.port), 60, "the hand-started server to answer")
+        app = dashboard(config)
+        async with app.run_test(size=(120, 40)) as pilot:
+            by_key = await press(app, pilot, "R", "y")
+            assert re.fullmatch(r"restarted the server on box: pid \d+ ready \(\d+\.\d s\)", by_key), by_key
+            # the key's restart stopped it: an sglang launcher listening on the host's port is the server
+            wait_for(lambda: by_hand.poll() is not None, 30, "the hand-started server to exit")
+            by_command = outcome(dynctl("restart", "--yes", config=config))
+            assert re.fullmatch(r"restarted the server on box: pid \d+ ready, \d+\.\d s", by_command), by_command
 
-    out: list = []
-    _relay_bench(LevelStarted(Mode.no_spec(), 4, 2, 7), out.append)
-    _relay_bench(LevelProgress(Mode.no_spec(), 4, "measure", 1.0, 0.5, 3, 0, 4.0), out.append)
-    _relay_bench(LevelDone(Mode.no_spec(), {"max_concurrency": 4, "output_throughput": 512.3, "median_ttft_ms": 12.0,
-                                            "server": {"spec_on_share": 0.0, "mean_batch_size": 4.0}}), out.append)
-    assert [describe_event(e)[1] for e in out] == [
-        "▶ no-spec c=4 — level 2/7",
-        "no-spec c=4: 512 tok/s, TTFT p50 12 ms, batch 4.0, speculation 0% of steps",
-    ]
+            running = outcome(dynctl("start", "--yes", config=config))
+            assert running.startswith(f"✓ server on box is already running: ready, pid {server_pid(config)} ")
+            assert without_uptime("✓ " + await press(app, pilot, "S")) == without_uptime(running)
+
+            stopped = await press(app, pilot, "s", "y")
+            assert stopped.startswith("stopped the server on box (pid ")
+            assert server_pid(config) is None
+            again = await press(app, pilot, "s", "y")
+            assert again == "server on box is already stopped"
+            assert outcome(dynctl("stop", "--yes", config=config)) == "✓ " + again
+    finally:
+        if by_hand.poll() is None:
+            by_hand.kill()
+        by_hand.wait(10)
+
+
+def _serves(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False

@@ -7,52 +7,30 @@ real sshd → pct stand-in → the simulated sglang 0.5.9 server (deployed with 
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+from demo_box import dynctl
 
 from dynctl.config import load_config
 from dynctl.feed import LiveFeed
-from dynctl.sim.hostsetup import prepare_demo_host
-from dynctl.transport import close_all
+from dynctl.host_actions import actions_for
 from dynctl.tui.app import create_app
 from dynctl.tui.widgets import HeaderBar, LoadPanel, SpeculationPanel
-from sglang_trees import sglang_wheel
-from sshd_harness import FakeHost, free_port
 
-CTID = 133
 pytestmark = pytest.mark.slow
 
 
-def dynctl(*args: str, config: Path, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dynctl", *args, "--config", str(config)],
-                          capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=timeout)
-
-
 @pytest.fixture
-def demo_config(sshd: FakeHost, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """A demo host in pct container 133, deployed with threshold 5; stopped afterwards."""
-    template = tmp_path_factory.mktemp("tui-demo") / "demo"
-    prepare_demo_host(template, "0.5.9", cache_dir=sglang_wheel("0.5.9").parent)
-    root = sshd.make_ct(CTID) / f"demo-{tmp_path.name}"
-    shutil.copytree(template, root, symlinks=True)
-    entry = prepare_demo_host(root, "0.5.9", free_port(), cache_dir=sglang_wheel("0.5.9").parent, time_scale=20)
-    entry.update(ssh=sshd.target, pct=CTID)
-    config = sshd.write_config(tmp_path / "dynctl.toml", {"demo": entry}, default_host="demo")
+def demo_config(demo_box) -> Path:
+    """A demo host in pct container 129, deployed with threshold 5."""
+    config = demo_box()
     deployed = dynctl("deploy", "--threshold", "5", "--yes", config=config)
     assert deployed.returncode == 0, deployed.stdout + deployed.stderr
-    try:
-        yield config
-    finally:
-        close_all()
-        dynctl("stop", "--yes", "--grace", "5", config=config)
+    return config
 
 
 class Load:
@@ -96,8 +74,9 @@ class Load:
 @pytest.mark.asyncio
 async def test_indicator_flips_off_under_load_and_back_on(demo_config: Path) -> None:
     cfg = load_config(demo_config)
-    host = cfg.host("demo")
-    app = create_app(["demo"], lambda on_update: LiveFeed([host], on_update, config=cfg, interval=0.5))
+    host = cfg.host("box")
+    app = create_app(["box"], lambda on_update: LiveFeed([host], on_update, config=cfg, interval=0.5),
+                     actions_for(cfg, [host]))
 
     async with app.run_test(size=(100, 30)) as pilot:
         spec = app.dashboard.query_one(SpeculationPanel)
@@ -112,13 +91,13 @@ async def test_indicator_flips_off_under_load_and_back_on(demo_config: Path) -> 
 
         await wait_until(lambda: "READY" in app.dashboard.query_one(HeaderBar).text(), "server ready")
         header = app.dashboard.query_one(HeaderBar).text()
-        assert "demo (simulated)" in header and "sglang 0.5.9" in header and "patch" in header
+        assert "box (simulated)" in header and "sglang 0.5.9" in header and "patch" in header
         assert "thr 5" in app.dashboard.query_one(LoadPanel).text()
         await wait_until(lambda: "SPECULATION ON" in spec.text(), "speculation on while idle")
 
         with Load(host.port, streams=12) as load:
             await wait_until(lambda: "SPECULATION OFF" in spec.text(), "speculation off under 12 streams")
-            snap = app.latest["demo"]
+            snap = app.latest["box"]
             assert snap is not None and snap.running_reqs is not None and snap.running_reqs > 5
             assert snap.last_switch is not None and snap.last_switch.enabled is False
             assert "> threshold 5" in spec.text()
@@ -128,7 +107,7 @@ async def test_indicator_flips_off_under_load_and_back_on(demo_config: Path) -> 
             await wait_until(lambda: "SPECULATION ON" in spec.text(), "speculation back on as the load leaves")
             back_on.set()
             assert "≤ threshold 5" in spec.text()
-        history = app.histories["demo"]
+        history = app.histories["box"]
         assert history is not None
         kinds = [s.enabled for s in history.switches()]
         assert False in kinds and kinds[-1] is True  # the chart has both moments to mark

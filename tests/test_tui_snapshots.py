@@ -13,12 +13,10 @@ from typing import Any
 import pytest
 from textual.pilot import Pilot
 
-from dynctl.feed import PushFeed
-from dynctl.snapshot import disconnected
-from dynctl.tui.app import DynctlApp, create_app
+from tui_harness import T0, Harness
 from watch_items import ramp
 
-T0 = 1_795_950_000.0
+from dynctl.snapshot import disconnected
 
 
 @pytest.fixture(autouse=True)
@@ -31,15 +29,9 @@ def utc(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     time.tzset()
 
 
-class Scene:
+class Scene(Harness):
     def __init__(self, hosts: list[str], read_only: bool = False) -> None:
-        self.feed: PushFeed | None = None
-
-        def feed_factory(on_update: Any) -> PushFeed:
-            self.feed = PushFeed(hosts, on_update)
-            return self.feed
-
-        self.app: DynctlApp = create_app(hosts, feed_factory, read_only=read_only, clock=lambda: T0 + 200)
+        super().__init__(hosts, read_only=read_only, now=T0 + 200)
 
     def load_ramp(self, host: str, seconds: int = 150, peak: int = 16, threshold: int = 5,
                   upto: int | None = None) -> None:

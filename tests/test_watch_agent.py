@@ -21,7 +21,10 @@ from dynctl.snapshot import build_snapshot
 from dynctl.transport.local import Local
 from watch_items import decode_line, log_stamp, transition_line
 from lifecycle_harness import wait_for
+from polling import finishes
 from watch_server import SglangLikeServer, install_fake_nvidia_smi, path_with, record_as_server
+
+pytestmark = pytest.mark.slow
 
 
 def first(stream: Iterator[dict[str, Any]], check: Callable[[dict[str, Any]], Any], timeout: float = 10.0,
@@ -109,13 +112,14 @@ def test_a_change_on_the_server_reaches_the_stream_and_the_snapshot(server: Sgla
         server.state.update(running=7, spec=False, tps=490.0)
         t_switch = time.time()
         append(log, transition_line(t_switch, False, 7, 5), decode_line(t_switch, 7, 490.0))
-        t0 = time.monotonic()
+        changed = time.time()  # from here on, every sample the agent starts must see it
+        deadline = time.monotonic() + 60
         for item in stream:
             snap = build_snapshot(item, "box", snap)
             if snap.speculation is False and snap.log_lines:
                 break
-            assert time.monotonic() - t0 < 5, "the change never arrived"
-        assert time.monotonic() - t0 < 1.0  # one or two intervals, not more
+            assert item["t"] < changed, "a sample taken after the change missed it"
+            assert time.monotonic() < deadline, "the change never arrived"
         assert snap.running_reqs == 7 and snap.gen_throughput == pytest.approx(490.0)
         assert snap.last_switch is not None and snap.last_switch.enabled is False
         assert snap.last_switch.batch_size == 7 and abs(snap.last_switch.time - int(t_switch)) < 1.01
@@ -158,17 +162,11 @@ def test_metrics_off_still_counts_as_answering(server: SglangLikeServer, workdir
 
 
 def test_a_hung_server_never_blocks_the_stream(server: SglangLikeServer, workdir: Path) -> None:
-    server.state["metrics_delay"] = 3.0
+    server.state["metrics_delay"] = 600.0  # blocked on the server, four samples would take 40 minutes
     record_as_server(workdir)
     stream = client(workdir, server.port).stream("watch", interval=0.3, max_items=4)
-    t0 = time.monotonic()
-    arrivals = []
-    for item in stream:
-        arrivals.append(time.monotonic() - t0)
-        assert item["metrics"] == {"ok": False, "error": "timed out"}
-    assert len(arrivals) == 4
-    # blocked on the server, four samples would take 4 x 3 s; cut at the interval, about 4 x 0.3 s
-    assert arrivals[-1] < 6.0, arrivals
+    items = finishes(lambda: list(stream), 120, "four samples of a server that never answers /metrics")
+    assert [item["metrics"] for item in items] == [{"ok": False, "error": "timed out"}] * 4
 
 
 def test_log_truncation_and_floods(server: SglangLikeServer, workdir: Path) -> None:

@@ -7,7 +7,6 @@ switches modes, turns raw timings into vLLM-named statistics and writes JSON and
 from dynctl.bench.events import (
     BenchEvent,
     BenchStarted,
-    BenchWarning,
     LevelDone,
     LevelProgress,
     LevelStarted,
@@ -18,7 +17,7 @@ from dynctl.bench.plan import BenchPlan, Mode, parse_concurrency, parse_goodput,
 from dynctl.bench.runner import BenchInterrupted, BenchResult, ModeRun, run_bench
 
 __all__ = [
-    "BenchEvent", "BenchInterrupted", "BenchPlan", "BenchResult", "BenchStarted", "BenchWarning", "LevelDone",
+    "BenchEvent", "BenchInterrupted", "BenchPlan", "BenchResult", "BenchStarted", "LevelDone",
     "LevelProgress", "LevelStarted", "Mode", "ModeRun", "ModeStarted", "ThresholdRestored", "parse_concurrency",
     "parse_goodput", "plan_modes", "run_bench",
 ]

@@ -1,4 +1,8 @@
-"""The progress of a bench run as small typed events: the CLI renders them with rich, the TUI in its panel."""
+"""Bench's sub-family of `dynctl.events`: levels and modes. The CLI renders them with rich, the TUI in its panel.
+
+A bench run reports these and the shared `dynctl.events.Warning` and `Finished`; a mode switched by
+redeploy adds the deploy's own events to the same stream.
+"""
 
 from __future__ import annotations
 
@@ -51,13 +55,8 @@ class LevelDone:
 
 
 @dataclass(frozen=True)
-class BenchWarning:
-    message: str
-
-
-@dataclass(frozen=True)
 class ThresholdRestored:
     threshold: int
 
 
-BenchEvent = BenchStarted | ModeStarted | LevelStarted | LevelProgress | LevelDone | BenchWarning | ThresholdRestored
+BenchEvent = BenchStarted | ModeStarted | LevelStarted | LevelProgress | LevelDone | ThresholdRestored

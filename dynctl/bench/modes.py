@@ -16,20 +16,6 @@ class Redeployer(Protocol):
         ...
 
 
-class NoRedeploy:
-    """Stands in until `dynctl deploy` (issue 5) can restart a server in another mode."""
-
-    def __init__(self, host: str) -> None:
-        self.host = host
-
-    def redeploy(self, threshold: int) -> int:
-        raise PreflightError(
-            f"{self.host}: the server's speculation threshold cannot change live (it is not patched, or its "
-            f"sglang version has no live switch), and switching by redeploy is not available yet; run "
-            f"`dynctl deploy --threshold N --host {self.host}` first, then bench again"
-        )
-
-
 class DeployRedeployer:
     """Switches modes where the threshold cannot change live: a full `dynctl deploy` of each threshold."""
 
@@ -58,17 +44,14 @@ class DeployRedeployer:
             self.confirm = None
         if self.start_release is None:
             self.start_release = self.agent.call("releases")["current"] or deploy.BASELINE
-        plan = deploy.plan_deploy(self.agent, self.host, threshold)
-        if plan.noop:
-            return threshold
-        result = deploy.deploy(self.agent, plan, self.on_event or events.ignore)
-        return int(result["threshold_in_force"])
+        done = deploy.deploy_threshold(self.agent, self.host, threshold, self.on_event or events.ignore)
+        return threshold if done.result is None else int(done.result["threshold_in_force"])
 
 
 class ModeSwitcher:
     """Sets modes on one server and remembers what to restore."""
 
-    def __init__(self, agent: AgentClient, host: str, probe: dict[str, Any], redeployer: Redeployer) -> None:
+    def __init__(self, agent: AgentClient, host: str, probe: dict[str, Any], redeployer: Redeployer | None) -> None:
         self.agent = agent
         self.host = host
         self.probe = probe
@@ -85,12 +68,14 @@ class ModeSwitcher:
                 f"{self.host}: the server runs without speculative decoding (speculative_algorithm is not set), "
                 "so there is no speculation mode to compare; launch it with --speculative-algorithm"
             )
+        if self.redeployer is None and not self.probe.get("threshold_live"):
+            raise self._cannot_redeploy()
 
     def enter(self, mode: Mode) -> int | None:
         if mode.threshold is None:
             return self.probe.get("threshold")
         if not self.probe.get("threshold_live"):
-            in_force = self.redeployer.redeploy(mode.threshold)
+            in_force = self._redeploy(mode.threshold)
         else:
             in_force = self._set(mode.threshold)
         self.changed = True
@@ -111,9 +96,20 @@ class ModeSwitcher:
         if self.probe.get("threshold_live"):
             in_force = self._set(int(self.original))
         else:
-            in_force = self.redeployer.redeploy(int(self.original))
+            in_force = self._redeploy(int(self.original))
         self.changed = False
         return in_force
+
+    def _redeploy(self, threshold: int) -> int:
+        if self.redeployer is None:
+            raise self._cannot_redeploy()
+        return self.redeployer.redeploy(threshold)
+
+    def _cannot_redeploy(self) -> PreflightError:
+        return PreflightError(
+            f"{self.host}: the server's speculation threshold cannot change live (it is not patched, or its "
+            f"sglang version has no live switch), and this run does not redeploy; `dynctl bench --compare` "
+            f"redeploys for each mode (asking first), or run `dynctl deploy --threshold N --host {self.host}`")
 
     def _set(self, threshold: int) -> int:
         try:
@@ -122,7 +118,7 @@ class ModeSwitcher:
             if err.answer.get("not_ours"):  # a listener that is not our server: neither switched nor redeployed
                 raise PreflightError(str(err)) from None
             if err.kind == "preflight":
-                return self.redeployer.redeploy(threshold)
+                return self._redeploy(threshold)
             if err.kind == "usage":
                 raise UsageError(str(err)) from None
             raise

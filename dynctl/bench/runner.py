@@ -8,18 +8,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from dynctl import events
 from dynctl.agent import AgentClient, AgentError
 from dynctl.bench.events import (
-    BenchEvent,
     BenchStarted,
-    BenchWarning,
     LevelDone,
     LevelProgress,
     LevelStarted,
     ModeStarted,
     ThresholdRestored,
 )
-from dynctl.bench.modes import ModeSwitcher, NoRedeploy, Redeployer
+from dynctl.bench.modes import ModeSwitcher, Redeployer
 from dynctl.bench.plan import BenchPlan, Mode
 from dynctl.bench.recommend import recommend
 from dynctl.bench.stats import read_sample, summarize_level
@@ -64,10 +63,12 @@ class BenchInterrupted(Exception):
         self.result = result
 
 
-def run_bench(agent: AgentClient, host: str, plan: BenchPlan, on_event: Callable[[BenchEvent], None],
+def run_bench(agent: AgentClient, host: str, plan: BenchPlan, on_event: events.EventSink,
               *, simulated: bool = False, redeployer: Redeployer | None = None,
               should_stop: Callable[[], bool] | None = None) -> BenchResult:
     """Measure every mode × level of `plan`; the server's threshold is put back as found, even on Ctrl-C.
+
+    A mode the server cannot switch to live needs `redeployer`; without one it is refused before any load.
 
     Errors keep what was measured in `err.bench_result`. Ctrl-C, or `should_stop()` turning true (checked
     about once a second, for a UI's stop key), raises BenchInterrupted with the levels measured so far.
@@ -75,13 +76,13 @@ def run_bench(agent: AgentClient, host: str, plan: BenchPlan, on_event: Callable
     result = BenchResult(host=host, simulated=simulated, plan=plan,
                          started=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"))
 
-    def emit(event: BenchEvent) -> None:
+    def emit(event: Any) -> None:
         on_event(event)
         if should_stop is not None and should_stop():
             raise _Stopped
 
     try:
-        _run(agent, host, plan, emit, result, redeployer or NoRedeploy(host))
+        _run(agent, host, plan, emit, result, redeployer)
     except (KeyboardInterrupt, Interrupted, _Stopped):  # Interrupted: Ctrl-C during a redeploy's operation
         result.interrupted = True
         raise BenchInterrupted(result) from None
@@ -92,8 +93,8 @@ def run_bench(agent: AgentClient, host: str, plan: BenchPlan, on_event: Callable
     return result
 
 
-def _run(agent: AgentClient, host: str, plan: BenchPlan, on_event: Callable[[BenchEvent], None],
-         result: BenchResult, redeployer: Redeployer) -> None:
+def _run(agent: AgentClient, host: str, plan: BenchPlan, on_event: events.EventSink,
+         result: BenchResult, redeployer: Redeployer | None) -> None:
     probe = agent.call("bench_probe")
     result.probe = probe
     if not probe.get("reachable"):
@@ -106,7 +107,7 @@ def _run(agent: AgentClient, host: str, plan: BenchPlan, on_event: Callable[[Ben
     on_event(BenchStarted(host, probe.get("where", "?"), probe.get("model"), plan.concurrency, plan.modes,
                           plan.budget))
     if not probe.get("metrics"):
-        on_event(BenchWarning(f"{host}: no sglang metrics at /metrics (server started without --enable-metrics?): "
+        on_event(events.Warning(f"{host}: no sglang metrics at /metrics (server started without --enable-metrics?): "
                               "batch size and speculation share will be missing"))
     total = len(plan.modes) * len(plan.concurrency)
     index = 0
@@ -127,16 +128,21 @@ def _run(agent: AgentClient, host: str, plan: BenchPlan, on_event: Callable[[Ben
         _restore(switcher, host, on_event)
     if plan.compare:
         result.recommendation = recommend(result.runs)
+    rec = result.recommendation
+    advice = f"; recommended threshold {rec['threshold']}" if rec else ""
+    on_event(events.Finished("bench", "measured",
+                             f"{result.levels_measured} level(s) on {host}"
+                             f"{' (SIMULATED)' if result.simulated else ''}{advice}"))
 
 
-def _restore(switcher: ModeSwitcher, host: str, on_event: Callable[[BenchEvent], None]) -> None:
+def _restore(switcher: ModeSwitcher, host: str, on_event: events.EventSink) -> None:
     """Put the threshold back; a failure here must not hide the error that ended the run."""
     if not switcher.changed:
         return
     try:
         restored = switcher.restore()
     except DynctlError as err:
-        on_event(BenchWarning(f"{host}: could not put threshold {switcher.original} back: {err}; "
+        on_event(events.Warning(f"{host}: could not put threshold {switcher.original} back: {err}; "
                               f"run `dynctl threshold {switcher.original} --host {host}`"))
         return
     if restored is not None:
@@ -144,7 +150,7 @@ def _restore(switcher: ModeSwitcher, host: str, on_event: Callable[[BenchEvent],
 
 
 def _measure_level(agent: AgentClient, host: str, plan: BenchPlan, mode: Mode, concurrency: int,
-                   on_event: Callable[[BenchEvent], None]) -> dict[str, Any]:
+                   on_event: events.EventSink) -> dict[str, Any]:
     params: dict[str, Any] = {
         "concurrency": concurrency, "input_len": plan.input_len, "output_len": plan.output_len,
         "warmup": plan.warmup_for(concurrency), "seed": plan.seed + concurrency,
@@ -177,16 +183,16 @@ def _measure_level(agent: AgentClient, host: str, plan: BenchPlan, mode: Mode, c
                            goodput=plan.goodput or None)
 
 
-def _warn_about(level: dict[str, Any], host: str, on_event: Callable[[BenchEvent], None]) -> None:
+def _warn_about(level: dict[str, Any], host: str, on_event: events.EventSink) -> None:
     c = level["max_concurrency"]
     cpu = (level.get("loadgen") or {}).get("cpu_percent")
     if cpu is not None and cpu > LOADGEN_CPU_WARN:
-        on_event(BenchWarning(f"concurrency {c}: the load generator used {cpu:.0f}% of a CPU core on {host}; "
+        on_event(events.Warning(f"concurrency {c}: the load generator used {cpu:.0f}% of a CPU core on {host}; "
                               "the client may have limited this level"))
     if level.get("timed_out"):
-        on_event(BenchWarning(f"concurrency {c}: the level hit its time cap before finishing"))
+        on_event(events.Warning(f"concurrency {c}: the level hit its time cap before finishing"))
     if level["failed"]:
         top = max(level["errors"].items(), key=lambda kv: kv[1])[0] if level["errors"] else "?"
-        on_event(BenchWarning(f"concurrency {c}: {level['failed']} request(s) failed (most often: {top})"))
+        on_event(events.Warning(f"concurrency {c}: {level['failed']} request(s) failed (most often: {top})"))
     if level["completed"] == 0:
-        on_event(BenchWarning(f"concurrency {c}: no request completed inside the window; lengthen --duration"))
+        on_event(events.Warning(f"concurrency {c}: no request completed inside the window; lengthen --duration"))

@@ -11,13 +11,12 @@ from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedCo
 from rich.table import Table
 from rich.text import Text
 
+from dynctl import events
 from dynctl.bench import (
-    BenchEvent,
     BenchInterrupted,
     BenchPlan,
     BenchResult,
     BenchStarted,
-    BenchWarning,
     LevelDone,
     LevelProgress,
     LevelStarted,
@@ -42,6 +41,7 @@ from dynctl.cli.common import (
     handle_errors,
     open_host,
 )
+from dynctl.cli.progress import EventPrinter
 from dynctl.errors import DynctlError, UsageError
 
 EXIT_INTERRUPTED = 130
@@ -100,7 +100,7 @@ def bench(
                                redeployer=DeployRedeployer(session.agent, session.host, confirm=lambda: confirm(
                                    f"The threshold of {session.host.name} cannot change live: bench will redeploy "
                                    f"its server for each mode (a restart each) and put the original back. Go on?",
-                                   yes)))
+                                   yes), on_event=view.on_event))
     except BenchInterrupted as stop:
         view.finish(stop.result, json_path, png_path, chart)
         err_console.print(f"[yellow]interrupted[/] after {stop.result.levels_measured} measured level(s)")
@@ -139,7 +139,8 @@ def _parse_thresholds(items: list[str]) -> list[int]:
 
 
 class BenchView:
-    """Renders the event stream: a progress bar per level, one summary line per finished level."""
+    """Renders the event stream: a progress bar per level, one summary line per finished level; the events bench
+    shares with the other operations (warnings, a redeploy's steps) as they print everywhere."""
 
     def __init__(self, plan: BenchPlan) -> None:
         self.plan = plan
@@ -147,8 +148,9 @@ class BenchView:
                                  TimeElapsedColumn(), console=console, transient=True)
         self.overall: TaskID | None = None
         self.level: TaskID | None = None
+        self.shared = EventPrinter()
 
-    def on_event(self, event: BenchEvent) -> None:
+    def on_event(self, event: Any) -> None:
         p = self.progress
         if isinstance(event, BenchStarted):
             modes = ", ".join(m.name for m in event.modes)
@@ -172,10 +174,12 @@ class BenchView:
             if self.overall is not None:
                 p.advance(self.overall)
             console.print(_level_line(event.mode.name, event.level))
-        elif isinstance(event, BenchWarning):
-            console.print(f"[yellow]warning:[/] {event.message}")
         elif isinstance(event, ThresholdRestored):
             console.print(f"threshold restored to {event.threshold}")
+        elif isinstance(event, events.Finished) and event.operation == "bench":
+            pass  # finish() prints the tables that say it better
+        else:
+            self.shared(event)
 
     def finish(self, result: BenchResult, json_path: str | None, png_path: str | None, chart: bool) -> None:
         self.progress.stop()

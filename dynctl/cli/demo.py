@@ -9,7 +9,7 @@ from rich.markup import escape
 
 from dynctl import demo as core
 from dynctl.cli.common import ConfigOpt, console, handle_errors
-from dynctl.cli.lifecycle import EventPrinter
+from dynctl.cli.progress import EventPrinter
 from dynctl.errors import UsageError
 from dynctl.patching import parse_threshold
 

@@ -23,8 +23,8 @@ from dynctl.cli.common import (
     handle_errors,
     open_host,
 )
-from dynctl.cli.lifecycle import EventPrinter, GraceOpt, ReadyTimeoutOpt
-from dynctl.cli.ops import outcome_line
+from dynctl.cli.lifecycle import GraceOpt, ReadyTimeoutOpt
+from dynctl.cli.progress import EventPrinter
 from dynctl.patching import parse_threshold
 from dynctl.transport import sh_join
 
@@ -57,36 +57,32 @@ def deploy(
     parse_threshold(threshold, "--threshold")  # a typo is named before any host is contacted
     session = open_host(host, config)
     t0 = time.monotonic()
-    plan = core.plan_deploy(session.agent, session.host, threshold)
-    for warning in plan.warnings:
-        console.print(f"[yellow]![/] {escape(warning)}")
+    done = core.deploy_threshold(session.agent, session.host, threshold, EventPrinter(quiet=as_json, verbose=verbose),
+                                 lambda question: confirm(question, yes), dry_run=dry_run, grace=grace,
+                                 ready_timeout=ready_timeout, soak=soak)
+    plan = done.plan
     if dry_run:
-        if as_json:
-            console.print_json(json.dumps(dict(plan.to_json(), diff=plan.diff)))
-            return
-        console.print(f"[bold]{session.host.name}[/]: sglang {plan.sglang_version}, strategy {plan.strategy}; "
-                      f"{escape(plan.patch_detail)}")
-        if plan.diff:
-            console.print(Syntax(plan.diff, "diff", theme="ansi_dark", word_wrap=True))
-        console.print("[bold]launch argv:[/] " + escape(sh_join(plan.launch_argv)), soft_wrap=True)
-        if plan.noop:
-            console.print(f"[green]{escape(plan.noop)}[/]")
-        console.print("[dim]dry run: nothing was changed[/]")
-        return
-    if plan.noop:
-        console.print(f"[green]✓[/] {escape(plan.noop)}")
-        if as_json:
-            console.print_json(json.dumps({"changed": False, "message": plan.noop}))
-        return
-    confirm(f"Deploy threshold {plan.threshold} to {session.host.name} ({session.host.route}), restarting its server?",
-            yes)
-    result = core.deploy(session.agent, plan, EventPrinter(quiet=as_json, verbose=verbose), grace=grace,
-                         ready_timeout=ready_timeout, soak=soak)
-    elapsed = time.monotonic() - t0
+        _print_plan(session.host.name, plan, as_json)
+    elif as_json and done.result is None:
+        console.print_json(json.dumps({"changed": False, "message": plan.noop}))
+    elif as_json:
+        elapsed = time.monotonic() - t0
+        console.print_json(json.dumps(dict(done.result, elapsed=elapsed, round_trips=session.agent.round_trips),
+                                      default=str))
+
+
+def _print_plan(host: str, plan: core.DeployPlan, as_json: bool) -> None:
     if as_json:
-        console.print_json(json.dumps(dict(result, elapsed=elapsed, round_trips=session.agent.round_trips), default=str))
+        console.print_json(json.dumps(dict(plan.to_json(), diff=plan.diff)))
         return
-    console.print(f"{outcome_line(session.host.name, 'deploy', result)}, {elapsed:.1f} s", soft_wrap=True)
+    console.print(f"[bold]{host}[/]: sglang {plan.sglang_version}, strategy {plan.strategy}; "
+                  f"{escape(plan.patch_detail)}")
+    if plan.diff:
+        console.print(Syntax(plan.diff, "diff", theme="ansi_dark", word_wrap=True))
+    console.print("[bold]launch argv:[/] " + escape(sh_join(plan.launch_argv)), soft_wrap=True)
+    if plan.noop:
+        console.print(f"[green]{escape(plan.noop)}[/]")
+    console.print("[dim]dry run: nothing was changed[/]")
 
 
 @handle_errors
@@ -105,13 +101,10 @@ def rollback(
 ) -> None:
     """Back to the previous release (or --to R) and restart with its recorded launch arguments."""
     session = open_host(host, config)
-    confirm(f"Roll {session.host.name} back to {to or 'the previous release'}, restarting its server?", yes)
     result = core.rollback(session.agent, session.host, to, EventPrinter(quiet=as_json, verbose=verbose), grace=grace,
-                           ready_timeout=ready_timeout, soak=soak)
+                           ready_timeout=ready_timeout, soak=soak, confirm=lambda question: confirm(question, yes))
     if as_json:
         console.print_json(json.dumps(result, default=str))
-        return
-    console.print(outcome_line(session.host.name, "rollback", result), soft_wrap=True)
 
 
 @handle_errors
@@ -152,10 +145,7 @@ def threshold(
     """Change the threshold of the running server without a restart, and report the value in force."""
     number = parse_threshold(value, "threshold")  # a typo is named before any host is contacted
     session = open_host(host, config)
-    confirm(f"Set the live threshold of {session.host.name} to {number}?", yes)
-    answer = core.set_threshold(session.agent, number)
+    answer = core.set_threshold(session.agent, number, EventPrinter(quiet=as_json),
+                                lambda question: confirm(question, yes))
     if as_json:
         console.print_json(json.dumps(answer))
-        return
-    console.print(f"[green]✓[/] threshold {answer['in_force']} in force on {session.host.name} "
-                  f"(read back from /server_info)")

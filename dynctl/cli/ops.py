@@ -12,27 +12,10 @@ from rich.table import Table
 
 from dynctl import operations
 from dynctl.cli.common import ConfigOpt, HostOpt, JsonOpt, VerboseOpt, console, handle_errors, open_host
-from dynctl.cli.lifecycle import EventPrinter
+from dynctl.cli.progress import EventPrinter
 from dynctl.errors import Interrupted
 
 app = typer.Typer(help="Operations on the host: follow one to its end, list recent ones.", no_args_is_help=True)
-
-
-def outcome_line(host: str, kind: str | None, result: dict[str, Any]) -> str:
-    """One line for an operation that succeeded, as the command that started it would have printed it."""
-    soaked = f", still serving {result['soak_s']:g} s after ready" if result.get("soak_s") else ""
-    if kind == "deploy":
-        return (f"[bold green]deployed[/] release {result.get('release')} on {escape(host)}: threshold "
-                f"{result.get('threshold_in_force')} in force (read back from /server_info), pid {result.get('pid')}"
-                f"{soaked}")
-    if kind == "rollback":
-        if result.get("changed") is False:
-            return f"[green]✓[/] {escape(result.get('message') or 'nothing to do')}"
-        return (f"[bold green]rolled back[/] {escape(host)} to {result.get('target')} "
-                f"(reverted: {', '.join(result.get('reverted') or []) or 'none'}), pid {result.get('pid')}{soaked}")
-    if kind == "restart":
-        return f"[bold green]restarted[/] the server on {escape(host)}: pid {result.get('pid')} ready"
-    return f"[bold green]done[/]: {kind or 'operation'} on {escape(host)}"
 
 
 @app.command("follow")
@@ -51,21 +34,19 @@ def follow(
     session = open_host(host, config)
     seen: dict[str, Any] = {}
 
-    def events():
-        for event in operations.follow(session.agent, op):
-            seen.setdefault("op_id", event.get("op_id"))
-            seen.setdefault("kind", event.get("op_kind"))
-            yield event
+    def records():
+        for record in operations.follow(session.agent, op):
+            seen.setdefault("op_id", record.get("op_id"))
+            seen.setdefault("kind", record.get("op_kind"))
+            yield record
 
     try:
-        result = operations.conclude(session.agent, "operation", events(), EventPrinter(quiet=as_json, verbose=verbose))
+        result = operations.conclude(session.agent, "operation", records(), EventPrinter(quiet=as_json, verbose=verbose))
     except KeyboardInterrupt:
         raise Interrupted(f"{session.host.name}: stopped following; the {seen.get('kind') or 'operation'} "
                           f"{seen.get('op_id') or op} goes on there regardless") from None
     if as_json:
         console.print_json(json.dumps(result, default=str))
-        return
-    console.print(outcome_line(session.host.name, result.get("op_kind"), result), soft_wrap=True)
 
 
 @app.command("list")

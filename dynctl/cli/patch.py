@@ -1,4 +1,4 @@
-"""`dynctl patch status|diff|apply|revert` (issue 3): the patch alone, without touching the server process."""
+"""`dynctl patch status|diff|apply|revert`: the patch alone, without touching the server process."""
 
 from __future__ import annotations
 

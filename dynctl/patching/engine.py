@@ -227,12 +227,3 @@ def plan_patch(
         FileChange(path, originals.get(path), new_texts[path]) for path in target_files()
     )
     return Plan(version, variant, "ready", changes)
-
-
-def unpatched_text(version: str, path: str, text: str) -> str:
-    """The text of a patched file with the patch taken out (for checks; reverts use backups)."""
-    for recipe in recipes(variant_for(version)):
-        if recipe.path == path:
-            stripped, _ = _unapply_recipe(text, recipe)
-            return stripped
-    raise KeyError(path)

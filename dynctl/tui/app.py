@@ -19,10 +19,13 @@ from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import ContentSwitcher, Footer
 
+from dynctl import events
+from dynctl.events import EventSink
 from dynctl.feed import Feed, OnUpdate, describe_error
 from dynctl.snapshot import HostHistory, HostSnapshot
-from dynctl.tui.actions import ActionsFactory, HostActions, OnEvent, UnwiredActions, describe_event
+from dynctl.tui.actions import ActionsFactory, HostActions
 from dynctl.tui.modals import ConfirmModal, ThresholdModal
+from dynctl.tui.progress import describe
 from dynctl.tui.widgets import (
     ActionLog,
     Banner,
@@ -58,7 +61,9 @@ class ActionProgress(Message):
 
 
 class ActionFinished(Message):
-    def __init__(self, host: str, action: str, ok: bool, text: str) -> None:
+    """`text` None: the action's own events already said how it ended."""
+
+    def __init__(self, host: str, action: str, ok: bool, text: str | None) -> None:
         super().__init__()
         self.host, self.action, self.ok, self.text = host, action, ok, text
 
@@ -287,7 +292,7 @@ class DynctlApp(App[int]):
             f"Live threshold on {host}",
             "Changes the running server's threshold without a restart, then reads it back.",
             "Apply",
-            lambda n: self.start_action(host, "threshold", lambda a, ev: a.set_threshold(n), f"to {n}"),
+            lambda n: self.start_action(host, "threshold", lambda a, ev: a.set_threshold(n, ev), f"to {n}"),
         )
 
     def action_rollback(self) -> None:
@@ -315,37 +320,37 @@ class DynctlApp(App[int]):
         self._confirm(f"Benchmark {host}?", "Sends a concurrency sweep of real requests to the server.", "Bench",
                       lambda: self.start_action(host, "bench", lambda a, ev: a.bench(ev)))
 
-    def start_action(self, host: str, name: str, call: Callable[[HostActions, OnEvent], Any], detail: str = "") -> None:
+    def start_action(self, host: str, name: str, call: Callable[[HostActions, EventSink], Any], detail: str = "") -> None:
         self.running[host] = name
         self.dashboard.show_tail("actions")
         self.dashboard.query_one(ActionLog).add(host, "info", f"▶ {name} {detail}".rstrip())
         self._run_action(host, name, call)
 
     @work(thread=True, exit_on_error=False, group="actions")
-    def _run_action(self, host: str, name: str, call: Callable[[HostActions, OnEvent], Any]) -> None:
+    def _run_action(self, host: str, name: str, call: Callable[[HostActions, EventSink], Any]) -> None:
+        concluded = False
+
         def on_event(event: Any) -> None:
+            nonlocal concluded
+            concluded = concluded or isinstance(event, (events.Finished, events.Unchanged))
             self.post_message(ActionProgress(host, name, event))
 
         try:
-            result = call(self.actions_for(host), on_event)
-        except NotImplementedError as err:
-            self.post_message(ActionFinished(host, name, False, f"{name} is not available yet ({err})"))
-            return
+            call(self.actions_for(host), on_event)
         except Exception as err:  # the panel shows every failure; the app keeps running
             self.post_message(ActionFinished(host, name, False, f"{name} failed: {describe_error(err)}"))
             return
-        if name == "threshold":
-            text = f"threshold in force: {result}"
-        else:
-            text = f"{name} done" + (f": {describe_event(result)[1]}" if result not in (None, True) else "")
-        self.post_message(ActionFinished(host, name, True, text))
+        self.post_message(ActionFinished(host, name, True, None if concluded else f"{name} done"))
 
     def on_action_progress(self, message: ActionProgress) -> None:
-        level, text = describe_event(message.event)
-        self.dashboard.query_one(ActionLog).add(message.host, level, text)
+        line = describe(message.event)
+        if line is not None:
+            self.dashboard.query_one(ActionLog).add(message.host, *line)
 
     def on_action_finished(self, message: ActionFinished) -> None:
         self.running.pop(message.host, None)
+        if message.text is None:
+            return
         self.dashboard.query_one(ActionLog).add(message.host, "ok" if message.ok else "error", message.text)
         if not message.ok:
             self.notify(message.text, severity="error", timeout=6)
@@ -362,11 +367,11 @@ class DynctlApp(App[int]):
         self.exit(0)
 
 
-def create_app(hosts: Sequence[str], feed_factory: FeedFactory, actions: ActionsFactory | None = None,
+def create_app(hosts: Sequence[str], feed_factory: FeedFactory, actions: ActionsFactory,
                read_only: bool = False, window_s: float = 300.0, clock: Callable[[], float] = time.time) -> DynctlApp:
-    """The dashboard for `hosts`; `feed_factory(on_update)` builds the feed, `actions(host)` what the keys call."""
-    return DynctlApp(hosts, feed_factory, actions or UnwiredActions, read_only=read_only, window_s=window_s,
-                     clock=clock)
+    """The dashboard for `hosts`; `feed_factory(on_update)` builds the feed, `actions(host)` what the keys call
+    (`dynctl.host_actions.actions_for` in the product)."""
+    return DynctlApp(hosts, feed_factory, actions, read_only=read_only, window_s=window_s, clock=clock)
 
 
 __all__ = ["DynctlApp", "create_app", "HostUpdated", "ActionProgress", "ActionFinished", "FeedFactory"]

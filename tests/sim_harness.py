@@ -1,7 +1,8 @@
-"""Starting and stopping the simulated sglang server as a real subprocess, for the test_sim_* files.
+"""Starting and stopping the simulated sglang server as a real subprocess, for the test_sim_* and bench files.
 
-No test lives here. Servers bind random 127.0.0.1 ports, are started in their own session, and are
-torn down by pid (the whole tree, the orphan fault's grandchild included).
+Servers bind random 127.0.0.1 ports, are started in their own session, and are torn down by pid (the
+whole tree, the orphan fault's grandchild included). The fixtures `site_059`, `patched_site_059` and
+`start_sim` (tests/conftest.py) wrap these.
 """
 
 from __future__ import annotations
@@ -9,29 +10,20 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import psutil
-import pytest
 from polling import wait_for
 from sglang_trees import install_sglang
+from sshd_harness import free_port
 
 from dynctl.patching import TARGET_FILES, plan_patch
 
 SPEC_ARGS = ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "/models/draft",
              "--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 
 def install_patched(version: str, site: Path) -> Path:
@@ -104,13 +96,6 @@ class Sim:
         self.log_file.close()
 
 
-def alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
 def listeners(port: int) -> list[int]:
     """Every process holding a listening socket on `port` (psutil.net_connections names only one
     process per socket, and the orphan fault shares the server's socket)."""
@@ -121,34 +106,3 @@ def listeners(port: int) -> list[int]:
                    for c in proc.net_connections(kind="tcp")):
                 found.append(proc.pid)
     return sorted(found)
-
-
-@pytest.fixture(scope="session")
-def site_059(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A pristine sglang 0.5.9 tree (shared: tests must not modify it)."""
-    site = tmp_path_factory.mktemp("sglang-0.5.9") / "site"
-    install_sglang("0.5.9", site)
-    return site
-
-
-@pytest.fixture(scope="session")
-def patched_site_059(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """sglang 0.5.9 with dynctl's patch applied (shared: tests must not modify it)."""
-    site = tmp_path_factory.mktemp("sglang-0.5.9-patched") / "site"
-    install_patched("0.5.9", site)
-    return site
-
-
-@pytest.fixture
-def start_sim(tmp_path: Path) -> Iterator:
-    """start_sim(site, argv, env=None) -> Sim (not yet ready); every server is killed after the test."""
-    started: list[Sim] = []
-
-    def start(site: Path, argv: list[str], env: dict[str, str] | None = None, port: int | None = None) -> Sim:
-        sim = Sim(site, argv, tmp_path, env, port)
-        started.append(sim)
-        return sim
-
-    yield start
-    for sim in started:
-        sim.stop()
