@@ -626,8 +626,8 @@ def main():
     if os.environ.get("OUT"):
         SUMMARY_FILE = os.path.join(os.environ["OUT"], f"summary-{a.phase}-{a.version}.txt")
     signal.signal(signal.SIGTERM, lambda signum, frame: (_ for _ in ()).throw(SystemExit(f"signal {signum}")))
-    say("gpu: " + subprocess.run("nvidia-smi --query-gpu=name,memory.used,memory.total,driver_version "
-                                 "--format=csv,noheader", shell=True, text=True, capture_output=True).stdout.strip())
+    say("gpu: " + subprocess.run(["nvidia-smi", "--query-gpu=name,memory.used,memory.total,driver_version",
+                                  "--format=csv,noheader"], text=True, capture_output=True).stdout.strip())
     try:
         {"speed": phase_speed, "check": phase_check, "tp": phase_tp}[a.phase](a)
     finally:
