@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import random
-import sys
 import threading
 import time
 import urllib.request
