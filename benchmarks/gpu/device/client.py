@@ -28,6 +28,10 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 
+# The patch's server argument and internal_states key (this script runs on the GPU box without dynctl).
+THRESHOLD_KEY = "speculative_disable_batch_threshold"
+
+
 def post(url, path, body, timeout=600):
     req = urllib.request.Request(url + path, data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"}, method="POST")
@@ -52,11 +56,11 @@ def generate(url, ids, max_new):
 
 def threshold_of(url):
     info = get(url, "/server_info")
-    return [s.get("speculative_disable_batch_threshold", "absent") for s in info["internal_states"]]
+    return [s.get(THRESHOLD_KEY, "absent") for s in info["internal_states"]]
 
 
 def set_threshold(url, n):
-    return post(url, "/set_internal_state", {"server_args": {"speculative_disable_batch_threshold": n}})
+    return post(url, "/set_internal_state", {"server_args": {THRESHOLD_KEY: n}})
 
 
 def cmd_prompts(a):
