@@ -108,6 +108,14 @@ def demo_box(request: pytest.FixtureRequest, demo_template, tmp_path: Path) -> I
         kill_servers_of(Path(load_config(config).host(None).workdir))
 
 
+@pytest.fixture
+def local_demo(demo_box):
+    """A demo host on this machine (no SSH), its server not started: a HostSession."""
+    from demo_box import session
+
+    return session(demo_box(via="local"))
+
+
 # ---- the simulated sglang server on its own (tests/sim_harness.py), without a demo host around it
 
 

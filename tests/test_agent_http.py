@@ -7,7 +7,6 @@ import socket
 import pytest
 
 from dynctl import deploy as core
-from test_operations import local_demo  # noqa: F401 - fixture
 
 
 @pytest.fixture
@@ -24,7 +23,7 @@ def dead_proxy(monkeypatch: pytest.MonkeyPatch) -> str:
     return url
 
 
-def test_deploy_threshold_and_bench_ignore_a_dead_http_proxy(local_demo, dead_proxy):  # noqa: F811
+def test_deploy_threshold_and_bench_ignore_a_dead_http_proxy(local_demo, dead_proxy):
     agent, host = local_demo.agent, local_demo.host
     result = core.deploy(agent, core.plan_deploy(agent, host, 5), ready_timeout=60)
     assert result["threshold_in_force"] == 5  # read back from /server_info, not rolled back

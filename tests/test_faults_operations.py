@@ -37,12 +37,6 @@ pytestmark = pytest.mark.slow
 POLICY = "srt/speculative/spec_batch_threshold.py"
 
 
-@pytest.fixture
-def local_demo(demo_box) -> HostSession:
-    """A demo host on this machine (no SSH), its server not started."""
-    return session(demo_box(via="local"))
-
-
 def workdir_of(config: Path) -> Path:
     return Path(session(config).host.workdir)
 
