@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import re
 import zipfile
 from functools import cache
 
@@ -142,6 +143,9 @@ def test_what_the_plain_decode_step_uses_exists_in_the_release(version: str) -> 
                                                "batch_size", "draft_token_num", "device"]
     fbi = wheel_text(version, "srt/model_executor/forward_batch_info.py")
     assert "ret.positions = clamp_position(batch.seq_lens)" in fbi  # DECODE positions are seq_lens - 1
+    # ... from a module-level function that the arming step calls once, to compile it ahead of use
+    assert re.search(r"^(def clamp_position\(seq_lens\):|    clamp_position = clamp_position_cuda)$", fbi, re.M)
+    assert "torch.int64" in wheel_text(version, "srt/managers/schedule_batch.py")
     assert "self.graph_runner.can_run(forward_batch)" in wheel_text(version, "srt/model_executor/model_runner.py")
 
     worker = wheel_text(version, "srt/speculative/eagle_worker_v2.py")

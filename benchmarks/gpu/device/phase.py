@@ -10,7 +10,9 @@ next to it; one call per phase, each within the device's 10-minute limit:
                                                            # sweeps at 0, -1 and N (dynctl's own
                                                            # recommendation), greedy outputs scored on
                                                            # the no-spec server, 1,000 flips under load
-  python3 .gpu/bin/phase.py check --version 0.5.11         # correctness only (outputs, flips, scoring)
+  python3 .gpu/bin/phase.py check --version 0.5.11         # correctness: outputs, flips, scoring, a
+                                                           # dynctl-deployed server: 1,000 flips, bench
+  python3 .gpu/bin/phase.py repeat --version 0.5.12.post1  # the speed table, modes interleaved per level
   python3 .gpu/bin/phase.py tp --tp 2 --version 0.5.12.post1   # TP N: flips under load, no hang
 
 Servers run in their own session; their logs, the sweeps and the scores land in $GPU_ENV/results and
@@ -497,7 +499,7 @@ def soak(s, denv, n, flips):
 
     def run_load():
         load["row"] = client.sweep_level(s.url, 48, PROMPTS, 128, warmup=0.5, window=1.0,
-                                         windows=max(1, int(flips * float(os.environ.get("FLIP_EVERY", "0.05")))),
+                                         windows=int(os.environ.get("SOAK_SECONDS", "75")),
                                          logprob_every=5)
 
     th = threading.Thread(target=run_load)
@@ -509,7 +511,7 @@ def soak(s, denv, n, flips):
         except Exception:  # noqa: BLE001
             errs += 1
         done += 1
-        time.sleep(float(os.environ.get("FLIP_EVERY", "0.05")))
+        time.sleep(float(os.environ.get("FLIP_EVERY", "0.02")))
     th.join()
     stop.set()
     rc, _ = dynctl(denv, "threshold", str(n), "--yes", "--host", "strict")
@@ -523,41 +525,132 @@ def soak(s, denv, n, flips):
 
 
 def phase_check(a):
+    """Correctness on a release (e.g. 0.5.11, the 0.5.8 compat family): the patched tree with the
+    draft kept warm (`extend`, the release-specific draft-extend code) and a server that `dynctl
+    deploy --threshold N` patches and starts with strict memory checks and NaN detection (draft mode
+    `auto`); greedy outputs at 2, 0, -1, N and with 0 <-> -1 flips every 0.3 s, scored on the no-spec
+    server; then 1,000 flips under load on the deployed server and `dynctl bench --compare` on it."""
     envs, m = setup(a.version, ["pristine", "patched"])
     p = prompts_file()
     p8 = os.path.join(RES, "prompts8.json")
     json.dump(json.load(open(p))[:8], open(p8, "w"))
-    servers = start_all([
-        (Server(f"{a.version}-nospec", 30010, envs["pristine"], common_args(m, False)), None),
-        (Server(f"{a.version}-warm", 30011, envs["patched"],
-                common_args(m, True, ["--speculative-disable-batch-threshold", "2"])), None)])
+    denv = dynctl_env(a.version)
+    n = a.threshold
+    strict_env = tree_env(a.version, "pristine", copy_as=f"sglang-{a.version}-dynctl")
+    strict_env["SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY"] = "1"
+    write_dynctl_config(a.version, m, {
+        "strict": (30004, strict_env, common_args(m, True, ["--enable-nan-detection"]))})
+    deployed = {}
+    deployer = threading.Thread(target=lambda: deployed.update(
+        rc=dynctl(denv, "deploy", "--threshold", str(n), "--yes", "--host", "strict", timeout=500)[0]))
+    plan = [Server(f"{a.version}-nospec", 30010, envs["pristine"], common_args(m, False)),
+            Server(f"{a.version}-warm", 30011, dict(envs["patched"], SGLANG_SPEC_THRESHOLD_DRAFT="extend"),
+                   common_args(m, True, ["--speculative-disable-batch-threshold", "2"]))]
+    for s in plan:
+        s.launch()
+    deployer.start()
+    servers = {s.name: s for s in plan if s.wait_ready()}
     s, ns = servers.get(f"{a.version}-warm"), servers.get(f"{a.version}-nospec")
     outs = []
     if s:
         for l in graph_lines(s):
             say(f"{s.name}: {l}")
+        first_disabled_step(s)
         outs.append((p, gen(s, "check-t2-c8", p, concurrency=8)))
         for v in (0, -1):
             set_threshold(s, v)
             outs.append((p, gen(s, f"check-t{v}-c8", p, concurrency=8)))
         outs.append((p8, gen(s, "check-flip-c1", p8, concurrency=1, flip_threshold="0,-1", flip_every=0.3)))
+        outs.append((p, gen(s, "check-flip-c8", p, concurrency=8, flip_threshold="0,-1", flip_every=0.3)))
         say(f"transition lines {len(s.grep(r'Speculation (disabled|enabled)'))}; decode: "
             + " | ".join(decode_lines(s, 3)))
-        if left() > 120:
-            set_threshold(s, 0)
-            sweep(s, f"{a.version}-warm-t0", "1,16,64,256")
+    deployer.join(timeout=max(1, left() - 200))
+    say(f"dynctl deploy of the strict server: rc {deployed.get('rc')}")
+    strict = None
+    if deployed.get("rc") == 0:
+        strict = Server("strict", 30004)
+        strict.log = os.path.join(ENV, "dynwork-strict", "server.log")
+        for l in graph_lines(strict):
+            say(f"strict: {l}")
+        dynctl(denv, "status", "--host", "strict")
+        outs.append((p, gen(strict, f"strict-t{n}-c8", p, concurrency=8)))
+        outs.append((p, gen(strict, "strict-flip-c8", p, concurrency=8, flip_threshold="0,-1", flip_every=0.3)))
+        dynctl(denv, "threshold", str(n), "--yes", "--host", "strict")
     if ns and outs:
         rows = []
         for pf in (p, p8):
             files = [f for (q, f) in outs if q == pf]
             rows += client.cmd_score(client.Args(url=ns.url, prompts=pf, files=files,
                                                  out=os.path.join(RES, f"score-check-{len(rows)}.json")))
+        json.dump(rows, open(os.path.join(RES, "score.json"), "w"), indent=1)
         for r in rows:
             say("score: " + json.dumps(r))
-        if left() > 60:
-            sweep(ns, f"{a.version}-nospec", "1,16,64,256")
     for x in servers.values():
         x.stop()
+    if strict is not None and left() > 60:
+        soak(strict, denv, n, flips=int(os.environ.get("FLIPS", "1000")))
+    if strict is not None and left() > 60:
+        bench = os.path.join(RES, "dynctl-bench-compare.json")
+        dynctl(denv, "bench", "--host", "strict", "--compare", "--threshold", str(n),
+               "--concurrency", os.environ.get("BENCH_LEVELS", "1,4,16,64"), "--input-len", "64",
+               "--output-len", "128", "--duration", os.environ.get("BENCH_SECONDS", "4"), "--json", bench,
+               timeout=max(30, int(left() - 20)))
+    if strict is not None:
+        dynctl(denv, "stop", "--host", "strict", "--yes")
+
+
+def first_disabled_step(s):
+    """The first disabled step of a fresh server: one 1-request generate at threshold -1, then at 0.
+    Anything compiled on first use by the plain-decode step would show as a stall here."""
+    timings = []
+    for v in (-1, 0):
+        client.set_threshold(s.url, v)
+        t = time.time()
+        client.generate(s.url, [5, 6, 7, 8], 16)
+        timings.append(time.time() - t)
+    client.set_threshold(s.url, 2)
+    say(f"{s.name}: 16 new tokens at threshold -1 in {timings[0]:.3f}s, then the first disabled steps "
+        f"(threshold 0) in {timings[1]:.3f}s")
+
+
+def phase_repeat(a):
+    """The speed table again, interleaved and with longer windows: at every level each mode is
+    measured in turn (no-spec, EAGLE-3, and one patched server set to -1, 0 and N), the order rotating
+    from level to level, so that the modes compared share the same minutes of the machine."""
+    envs, m = setup(a.version, ["pristine", "patched"])
+    prompts_file()
+    n = a.threshold
+    thr = ["--speculative-disable-batch-threshold", "-1"]
+    plan = [Server("nospec", 30000, envs["pristine"], common_args(m, False)),
+            Server("eagle3", 30001, envs["pristine"], common_args(m, True)),
+            Server("patched", 30002, envs["patched"], common_args(m, True, thr))]
+    for s in plan:
+        s.launch()
+    servers = {s.name: s for s in plan if s.wait_ready()}
+    for s in servers.values():
+        for l in graph_lines(s):
+            say(f"{s.name}: {l}")
+        client.generate(s.url, [5, 6, 7, 8], 8)
+    modes = [("nospec", "nospec", None), ("eagle3", "eagle3", None), ("warm-tm1", "patched", -1),
+             ("skip-t0", "patched", 0), (f"skip-t{n}", "patched", n)]
+    modes = [x for x in modes if x[1] in servers]
+    rows = {label: [] for label, _, _ in modes}
+    for i, c in enumerate(int(x) for x in LEVELS.split(",")):
+        if left() < 12 * len(modes):
+            say(f"repeat: stopped before c{c}, budget")
+            break
+        for label, name, threshold in modes[i % len(modes):] + modes[:i % len(modes)]:
+            s = servers[name]
+            if threshold is not None:
+                client.set_threshold(s.url, threshold)
+            r = client.sweep_level(s.url, c, PROMPTS, 128, **SWEEP)
+            rows[label].append(r)
+        say(f"c{c}: " + ", ".join(f"{label}={rows[label][-1]['tok_s']:.0f}±{rows[label][-1]['spread_pct']:.0f}%"
+                                  for label, _, _ in modes))
+    for label, rs in rows.items():
+        json.dump(rs, open(os.path.join(RES, f"sweep-{label}.json"), "w"), indent=1)
+    for s in servers.values():
+        s.stop()
 
 
 def phase_tp(a):
@@ -615,7 +708,7 @@ def finish(phase, version):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("phase", choices=["speed", "check", "tp"])
+    ap.add_argument("phase", choices=["speed", "check", "repeat", "tp"])
     ap.add_argument("--tp", type=int, default=2, help="tp: tensor parallel size (GPUs)")
     ap.add_argument("--version", default="0.5.12.post1")
     ap.add_argument("--threshold", type=int, default=8,
@@ -629,7 +722,7 @@ def main():
     say("gpu: " + subprocess.run(["nvidia-smi", "--query-gpu=name,memory.used,memory.total,driver_version",
                                   "--format=csv,noheader"], text=True, capture_output=True).stdout.strip())
     try:
-        {"speed": phase_speed, "check": phase_check, "tp": phase_tp}[a.phase](a)
+        {"speed": phase_speed, "check": phase_check, "repeat": phase_repeat, "tp": phase_tp}[a.phase](a)
     finally:
         say(f"phase {a.phase} {a.version} done in {time.time() - T0:.0f}s")
         finish(a.phase, a.version)
