@@ -14,6 +14,9 @@ from dynctl.errors import ConfigError, UsageError
 DEFAULT_LAUNCH = ("{python}", "-m", "sglang.launch_server")
 DEFAULT_KEEP_HISTORY = 20  # finished releases and operation records a host keeps in its workdir
 LOCAL_HOST = "local"
+# A host's `strategy`: "auto" patches sglang where dynctl has a patch variant for the release and
+# passes the native adaptive config elsewhere; "patch" and "native" insist on one.
+STRATEGIES = ("auto", "patch", "native")
 _HOST_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _HOME_PATH = re.compile(r"^~[A-Za-z0-9_.-]*(/|$)")  # ~, ~/x, ~user/x: a home on the host
 _SSH_TARGET = re.compile(r"^(?:(?P<user>[^@\s]+)@)?(?P<host>\[[^\]]+\]|[^:@\s]+)(?::(?P<port>\d+))?$")
@@ -55,6 +58,7 @@ class HostConfig:
     accept_new_host_key: bool = False
     simulated: bool = False
     keep_history: int = DEFAULT_KEEP_HISTORY
+    strategy: str = "auto"  # auto | patch | native: how the threshold reaches sglang
 
     @property
     def route(self) -> str:
@@ -175,7 +179,7 @@ def parse_ssh_target(text: str) -> SSHTarget:
 
 _HOST_KEYS = {
     "ssh", "pct", "python", "workdir", "port", "env", "args", "launch",
-    "identity_file", "accept_new_host_key", "simulated", "keep_history",
+    "identity_file", "accept_new_host_key", "simulated", "keep_history", "strategy",
 }
 
 
@@ -248,6 +252,12 @@ def _parse_host(name: str, raw: Any, where: str) -> HostConfig:
             if k == "launch" and not value:
                 raise ConfigError(f"{where}: {key}.launch: must not be empty")
             host = replace(host, **{k: tuple(value)})
+    if "strategy" in raw:
+        strategy = raw["strategy"]
+        if strategy not in STRATEGIES:
+            raise ConfigError(f"{where}: {key}.strategy: expected one of {', '.join(repr(s) for s in STRATEGIES)} "
+                              f"(auto: the patch where dynctl has one for the release, else native), got {strategy!r}")
+        host = replace(host, strategy=strategy)
     for k in ("accept_new_host_key", "simulated"):
         if k in raw:
             if not isinstance(raw[k], bool):

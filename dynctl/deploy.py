@@ -55,10 +55,11 @@ def plan_deploy(agent: AgentClient, host: HostConfig, threshold: Any) -> DeployP
     baseline = server_argv(host)
     context = agent.call("deploy_context", files=target_files())  # one round trip for the whole plan
     _refuse_busy(agent, context["holder"])
-    state = patch_state_from(context["patch"])
+    state = patch_state_from(context["patch"], host.strategy)
     if state.version is None:
         raise PreflightError(f"{host.name}: sglang is not installed for {state.python}; nothing to deploy to")
-    strategy = strategy_for(state.version)  # refuses unsupported versions (exit 3)
+    # refuses unsupported versions, and a `strategy` key the release cannot take (exit 3)
+    strategy = strategy_for(state.version, host.strategy)
     if strategy == "patch":
         plan = plan_for_apply(state, host.name)
         if plan.status == "applied":

@@ -91,12 +91,13 @@ def describe_host(host: HostConfig, agent: AgentClient) -> HostInfo:
         port=raw.get("port"),
         port_listeners=raw.get("port_listeners") or [],
     )
-    info.strategy, info.strategy_note = classify_sglang(info.sglang_version, bool(sglang))
+    info.strategy, info.strategy_note = classify_sglang(info.sglang_version, bool(sglang), host.strategy)
     return info
 
 
-def classify_sglang(version: str | None, installed: bool) -> tuple[str, str | None]:
-    """('patch'|'native'|'unsupported'|'absent', why) for the sglang found on the host."""
+def classify_sglang(version: str | None, installed: bool, preference: str = "auto") -> tuple[str, str | None]:
+    """('patch'|'native'|'unsupported'|'absent', why) for the sglang found on the host, under the host's
+    `strategy` preference."""
     if not installed:
         return "absent", "sglang is not installed for this interpreter"
     if not version:
@@ -104,6 +105,6 @@ def classify_sglang(version: str | None, installed: bool) -> tuple[str, str | No
     from dynctl.patching import strategy_for
 
     try:
-        return strategy_for(version), None
+        return strategy_for(version, preference), None
     except DynctlError as err:
         return "unsupported", str(err)

@@ -80,7 +80,8 @@ def demo_template(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], P
 
 @pytest.fixture
 def demo_box(request: pytest.FixtureRequest, demo_template, tmp_path: Path) -> Iterator[Callable[..., Path]]:
-    """make(version="0.5.9", *, via="pct", time_scale=20, **env) -> config path of a private demo host `box`.
+    """make(version="0.5.9", *, via="pct", time_scale=20, strategy=None, **env) -> config path of a private demo
+    host `box` (strategy: the host's `strategy` key, unset when None).
 
     via "pct": inside container 129 on the test sshd, reached as a Proxmox box is; "ssh": on the test sshd;
     "local": on this machine without SSH. Whatever server it started is stopped afterwards (by dynctl,
@@ -93,12 +94,13 @@ def demo_box(request: pytest.FixtureRequest, demo_template, tmp_path: Path) -> I
 
     made: list[Path] = []
 
-    def make(version: str = "0.5.9", *, via: str = "pct", time_scale: float = 20, **env: str) -> Path:
+    def make(version: str = "0.5.9", *, via: str = "pct", time_scale: float = 20, strategy: str | None = None,
+             **env: str) -> Path:
         if via not in ("pct", "ssh", "local"):
             raise ValueError(f"via={via!r}: expected pct, ssh or local")
         sshd = None if via == "local" else request.getfixturevalue("sshd")
         made.append(make_demo_box(sshd, demo_template(version), tmp_path, version, pct=via == "pct",
-                                  time_scale=time_scale, **env))
+                                  time_scale=time_scale, strategy=strategy, **env))
         return made[-1]
 
     yield make

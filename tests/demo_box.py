@@ -2,7 +2,7 @@
 box is (SSH to the test sshd, then `pct exec` into a container), driven through the `dynctl` CLI.
 
     config = demo_box()                                  # the fixture (tests/conftest.py): a private copy
-    config = demo_box("0.5.14", via="local", time_scale=50)
+    config = demo_box("0.5.14", via="local", time_scale=50, strategy="native")
     dynctl("deploy", "--threshold", "5", "--yes", config=config)
     tree_sha256(config)                                  # one digest of the whole sglang tree
 
@@ -36,7 +36,8 @@ _copies = itertools.count(1)
 
 
 def make_demo_box(sshd: FakeHost | None, template: Path, tmp_path: Path, version: str = "0.5.9", *,
-                  ctid: int = CTID, pct: bool = True, time_scale: float = 20, **env: str) -> Path:
+                  ctid: int = CTID, pct: bool = True, time_scale: float = 20, strategy: str | None = None,
+                  **env: str) -> Path:
     """Copy the prepared `template` and write a config whose default host `box` is the copy: in container `ctid`
     on the test sshd (pct=False: on the sshd itself), or on this machine without SSH when `sshd` is None."""
     n = next(_copies)
@@ -46,6 +47,8 @@ def make_demo_box(sshd: FakeHost | None, template: Path, tmp_path: Path, version
     entry = prepare_demo_host(root, sglang_version=version, port=free_port(),
                               cache_dir=sglang_wheel(version).parent, time_scale=time_scale)
     entry["env"].update(env)
+    if strategy is not None:
+        entry["strategy"] = strategy
     config = tmp_path / "dynctl.toml"
     if config.exists():  # a second box in one test
         config = tmp_path / f"dynctl-{n}.toml"

@@ -15,6 +15,13 @@ WORKER_METHODS = {"_skip_speculation", "_init_spec_disable", "_capture_spec_disa
                   "_spec_disable_plain_target", "_spec_disable_one_token_draft",
                   "_forward_batch_generation_no_spec", "_no_spec_draft_extend",
                   "_no_spec_bonus_tokens", "_no_spec_finish_result", "_no_spec_draft_context"}
+# sglang 0.5.14: one fragment, the draft skipped on disabled steps (no one-token draft-extend).
+WORKER_METHODS_0_5_14 = {"_skip_speculation", "_init_spec_disable", "_capture_spec_disable_graphs",
+                         "_spec_disable_plain_target", "_forward_batch_generation_no_spec"}
+
+
+def worker_methods(variant: str) -> set[str]:
+    return WORKER_METHODS_0_5_14 if variant == "0.5.14" else WORKER_METHODS
 
 
 def _class(tree: ast.Module, name: str) -> ast.ClassDef:
@@ -29,14 +36,26 @@ def _method(cls: ast.ClassDef, name: str) -> ast.FunctionDef:
     return found[0]
 
 
-def check_server_args(text: str) -> None:
+def check_server_args(text: str, variant: str = "0.5.12") -> None:
     tree = ast.parse(text)
     cls = _class(tree, "ServerArgs")
     fields = {n.target.id: n for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
     assert FIELD in fields, "ServerArgs has no speculative_disable_batch_threshold field"
     field = fields[FIELD]
-    assert ast.unparse(field.annotation) == "Optional[int]"
     assert isinstance(field.value, ast.Constant) and field.value.value is None
+    post_init = ast.unparse(_method(cls, "__post_init__"))
+    assert "check_threshold_args(self)" in post_init
+    if variant == "0.5.14":
+        # the command line is derived from the annotation: Optional[int] gives type=int, the help text
+        # is the string (sglang's own arg_utils, exercised in test_patching)
+        annotation = field.annotation
+        assert isinstance(annotation, ast.Subscript) and ast.unparse(annotation.value) == "A"
+        inner, help_text = annotation.slice.elts
+        assert ast.unparse(inner) == "Optional[int]"
+        assert isinstance(help_text, ast.Constant) and "more than N requests" in help_text.value
+        assert post_init.index("handle_speculative_decoding(self)") < post_init.index("check_threshold_args(self)")
+        return
+    assert ast.unparse(field.annotation) == "Optional[int]"
     calls = [n for n in ast.walk(_method(cls, "add_cli_args")) if isinstance(n, ast.Call)
              and isinstance(n.func, ast.Attribute) and n.func.attr == "add_argument"
              and n.args and isinstance(n.args[0], ast.Constant) and n.args[0].value == FLAG]
@@ -45,8 +64,6 @@ def check_server_args(text: str) -> None:
     assert kwargs["type"] == "int"
     assert kwargs["default"] == f"ServerArgs.{FIELD}"
     assert "help" in kwargs
-    post_init = ast.unparse(_method(cls, "__post_init__"))
-    assert "check_threshold_args(self)" in post_init
     assert post_init.index("_handle_speculative_decoding()") < post_init.index("check_threshold_args(self)")
 
 
@@ -67,15 +84,20 @@ def check_scheduler(text: str) -> None:
     assert len(arm) == 1, "the scheduler does not arm the threshold (and capture its graphs) at startup"
 
 
-def check_eagle_worker(text: str) -> None:
+def check_eagle_worker(text: str, variant: str = "0.5.12") -> None:
     tree = ast.parse(text)
     cls = _class(tree, "EAGLEWorkerV2")
     methods = {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
-    assert WORKER_METHODS <= methods, f"missing methods: {WORKER_METHODS - methods}"
+    wanted = worker_methods(variant)
+    assert wanted <= methods, f"missing methods: {wanted - methods}"
     first = _method(cls, "forward_batch_generation").body[0]
-    assert isinstance(first, ast.If) and ast.unparse(first.test) == "self._skip_speculation(model_worker_batch)"
-    assert ast.unparse(first.body[0]) == "return self._forward_batch_generation_no_spec(model_worker_batch)"
-    undefined = undefined_names(tree, cls, WORKER_METHODS)
+    if variant == "0.5.14":
+        assert isinstance(first, ast.If) and ast.unparse(first.test) == "self._skip_speculation(batch)"
+        assert ast.unparse(first.body[0]) == "return self._forward_batch_generation_no_spec(batch, on_publish)"
+    else:
+        assert isinstance(first, ast.If) and ast.unparse(first.test) == "self._skip_speculation(model_worker_batch)"
+        assert ast.unparse(first.body[0]) == "return self._forward_batch_generation_no_spec(model_worker_batch)"
+    undefined = undefined_names(tree, cls, wanted)
     assert not undefined, f"names the patch uses but eagle_worker_v2.py does not define: {undefined}"
 
 
@@ -100,10 +122,10 @@ def undefined_names(tree: ast.Module, cls: ast.ClassDef, methods: set[str]) -> s
     return missing
 
 
-def check_all(texts: dict[str, str]) -> None:
-    check_server_args(texts["srt/server_args.py"])
+def check_all(texts: dict[str, str], variant: str = "0.5.12") -> None:
+    check_server_args(texts["srt/server_args.py"], variant)
     check_scheduler(texts["srt/managers/scheduler.py"])
-    check_eagle_worker(texts["srt/speculative/eagle_worker_v2.py"])
+    check_eagle_worker(texts["srt/speculative/eagle_worker_v2.py"], variant)
     ast.parse(texts["srt/speculative/spec_batch_threshold.py"])
 
 

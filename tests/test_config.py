@@ -85,6 +85,9 @@ def test_no_config_means_this_machine(tmp_path, monkeypatch):
         ("[hosts.a]\nlaunch = []\n", "hosts.a.launch: must not be empty"),
         ("[hosts.a\n", "TOML syntax error"),
         ("hosts = 3\n", "'hosts' must be a table"),
+        ("[hosts.a]\nstrategy = 'adaptive'\n", "hosts.a.strategy: expected one of 'auto', 'patch', 'native'"),
+        ("[hosts.a]\nstrategy = 1\n", "hosts.a.strategy: expected one of"),
+        ("[hosts.a]\nstrategy = 'Native'\n", "got 'Native'"),
     ],
 )
 def test_errors_name_file_and_key(tmp_path, text, fragment):
@@ -115,3 +118,13 @@ def test_missing_explicit_config(tmp_path):
 def test_ssh_targets(text, user, host, port):
     t = parse_ssh_target(text)
     assert (t.user, t.host, t.port) == (user, host, port)
+
+
+@pytest.mark.parametrize("strategy", ["auto", "patch", "native"])
+def test_strategy_key(tmp_path, strategy):
+    cfg = load_config(write(tmp_path, f"[hosts.a]\nstrategy = '{strategy}'\n"))
+    assert cfg.host("a").strategy == strategy
+
+
+def test_strategy_defaults_to_auto(tmp_path):
+    assert load_config(write(tmp_path, SPEC_EXAMPLE)).host(None).strategy == "auto"

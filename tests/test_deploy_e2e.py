@@ -6,6 +6,7 @@ failure scenarios of SPEC §9 (crash or hang on start, concurrent operators, dec
 
 from __future__ import annotations
 
+import json
 import threading
 
 import httpx
@@ -127,7 +128,7 @@ def test_connection_cut_mid_deploy_converges(demo_box, sshd, step):
 
 
 def test_native_strategy_deploy_touches_no_file(demo_box):
-    config = demo_box("0.5.14")
+    config = demo_box("0.5.14", strategy="native")
     pristine = tree_sha256(config)
     start_baseline(config)
     out = dynctl("deploy", "--threshold", "8", "--yes", config=config)
@@ -141,3 +142,33 @@ def test_native_strategy_deploy_touches_no_file(demo_box):
     back = dynctl("rollback", "--yes", config=config)
     assert back.returncode == 0, back.stderr
     assert not server_info(config).get("speculative_adaptive")
+
+
+def test_auto_strategy_patches_0_5_14(demo_box):
+    """0.5.14 has a patch variant, so `strategy = "auto"` (the default) patches it like 0.5.6-0.5.12."""
+    config = demo_box("0.5.14", via="local")
+    pristine = tree_sha256(config)
+    start_baseline(config)
+    dry = dynctl("deploy", "--threshold", "5", "--dry-run", config=config)
+    assert dry.returncode == 0, dry.stderr
+    assert "+++ b/sglang/srt/speculative/eagle_worker_v2.py" in dry.stdout
+    assert "--speculative-disable-batch-threshold 5" in dry.stdout
+    assert "adaptive.json" not in dry.stdout
+    out = dynctl("deploy", "--threshold", "5", "--yes", config=config)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert tree_sha256(config) != pristine
+    assert server_info(config)["internal_states"][0]["speculative_disable_batch_threshold"] == 5
+    status = json.loads(dynctl("status", "--json", config=config).stdout)
+    assert status["patch"]["strategy"] == "patch" and status["patch"]["status"] == "applied"
+    back = dynctl("rollback", "--yes", config=config)
+    assert back.returncode == 0, back.stdout + back.stderr
+    assert tree_sha256(config) == pristine
+
+
+def test_a_strategy_the_release_cannot_take_is_refused_before_the_host_changes(demo_box):
+    config = demo_box("0.5.12", via="local", strategy="native")
+    pristine = tree_sha256(config)
+    out = dynctl("deploy", "--threshold", "5", "--yes", config=config)
+    assert out.returncode == 3
+    assert 'strategy = "native" cannot serve sglang 0.5.12' in " ".join(out.stderr.split())
+    assert tree_sha256(config) == pristine

@@ -26,14 +26,14 @@ from typer.testing import CliRunner
 from dynctl.agent import AgentClient, AgentError
 from dynctl.cli import app
 from dynctl.config import HostConfig
-from dynctl.patching import TARGET_FILES, PatchRefused
+from dynctl.patching import TARGET_FILES, PatchRefused, variant_for
 from dynctl.patching.host import apply_plan, plan_for_apply, read_patch_state
 from dynctl.patching.recipe import target_files
 from dynctl.transport.local import Local
 
 pytestmark = pytest.mark.slow
 
-PATCH_VERSIONS = ["0.5.6", "0.5.7", "0.5.8", "0.5.9", "0.5.10", "0.5.11", "0.5.12"]
+PATCH_VERSIONS = ["0.5.6", "0.5.7", "0.5.8", "0.5.9", "0.5.10", "0.5.11", "0.5.12", "0.5.14"]
 SERVER_ARGS = "srt/server_args.py"
 
 
@@ -109,7 +109,7 @@ def test_apply_check_revert_round_trip(make_box, version: str, tmp_path: Path) -
     for rel in TARGET_FILES(version):
         py_compile.compile(str(box.path(rel)), cfile=str(tmp_path / "check.pyc"), doraise=True)
         texts[rel] = box.path(rel).read_text()
-    check_all(texts)
+    check_all(texts, variant_for(version))
     assert not any(p.exists() for p in stale), "stale __pycache__ entries survived the swap"
     assert sorted(result["pycache_dropped"]) == sorted(p.name for p in stale)
     assert box.leftovers() == []

@@ -27,6 +27,8 @@ from dynctl.patching import (
 from dynctl.patching.recipe import NEW_MODULE, SERVER_ARGS
 
 PATCH_VERSIONS = ["0.5.6", "0.5.7", "0.5.8", "0.5.9", "0.5.10", "0.5.11", "0.5.12"]
+# Releases whose worker takes a ScheduleBatch (their own contract tests below).
+SCHEDULE_BATCH_VERSIONS = ["0.5.14"]
 
 
 @cache
@@ -58,7 +60,7 @@ def record(version: str) -> dict[str, str]:
         return out
 
 
-@pytest.mark.parametrize("version", PATCH_VERSIONS)
+@pytest.mark.parametrize("version", PATCH_VERSIONS + SCHEDULE_BATCH_VERSIONS)
 def test_plan_applies_compiles_and_is_idempotent(version: str) -> None:
     before = originals(version)
     plan = plan_patch(version, before, record=record(version))
@@ -67,7 +69,7 @@ def test_plan_applies_compiles_and_is_idempotent(version: str) -> None:
     after = {c.path: c.after for c in plan.changes}
     for path, text in after.items():
         compile(text, path, "exec")  # what py_compile does on the host
-    check_all(after)
+    check_all(after, variant_for(version))
     for change in plan.changes:
         assert change.sha256_before == (None if before[change.path] is None else sha256_text(before[change.path]))
         assert change.sha256_after == hashlib.sha256(change.after.encode()).hexdigest()
@@ -82,7 +84,7 @@ def test_plan_applies_compiles_and_is_idempotent(version: str) -> None:
             assert unpatched_text(version, path, after[path]) == before[path]
 
 
-@pytest.mark.parametrize("version", PATCH_VERSIONS)
+@pytest.mark.parametrize("version", PATCH_VERSIONS + SCHEDULE_BATCH_VERSIONS)
 def test_the_diff_is_a_unified_diff_of_insertions(version: str) -> None:
     plan = plan_patch(version, originals(version))
     diff = plan.diff()
@@ -90,12 +92,19 @@ def test_the_diff_is_a_unified_diff_of_insertions(version: str) -> None:
     assert f"--- /dev/null\n+++ b/sglang/{NEW_MODULE}" in diff
     removed = [ln for ln in diff.splitlines() if ln.startswith("-") and not ln.startswith("---")]
     assert removed == []  # insertions only
-    assert '+            "--speculative-disable-batch-threshold",' in diff
+    if variant_for(version) == "0.5.14":  # the command line comes from the annotated field
+        assert "+    speculative_disable_batch_threshold: A[\n" in diff
+    else:
+        assert '+            "--speculative-disable-batch-threshold",' in diff
 
 
 def test_variants_follow_the_release_matrix() -> None:
     assert [variant_for(v) for v in PATCH_VERSIONS] == ["0.5.6", "0.5.7", "0.5.8", "0.5.8", "0.5.8", "0.5.8", "0.5.12"]
     assert variant_for("0.5.12.post1") == "0.5.12"
+    assert variant_for("0.5.14") == variant_for("0.5.14.post1") == "0.5.14"
+    for version in ("0.5.15", "0.5.23", "0.5.13", "0.5.5"):
+        with pytest.raises(PreflightError):
+            variant_for(version)
 
 
 # --------------------------------------------------------------------------- the release's own contract
@@ -309,7 +318,8 @@ def test_a_missing_target_file_is_refused() -> None:
 
 @pytest.mark.parametrize(("version", "strategy"), [
     ("0.5.6", "patch"), ("0.5.9", "patch"), ("0.5.12", "patch"), ("0.5.6.post2", "patch"),
-    ("0.5.10.post1", "patch"), ("0.5.14", "native"), ("0.5.15.post1", "native"), ("0.5.23", "native"),
+    ("0.5.10.post1", "patch"), ("0.5.14", "patch"), ("0.5.14.post1", "patch"), ("0.5.15.post1", "native"),
+    ("0.5.23", "native"),
     ("0.6.0", "native"),
 ])
 def test_strategy_for_supported_versions(version: str, strategy: str) -> None:
@@ -348,3 +358,189 @@ def test_thresholds_refused_with_usage_errors(value: object, message: str) -> No
         parse_threshold(value, "--threshold")
     assert err.value.exit_code == 2
     assert str(err.value).startswith("--threshold: ")
+
+
+@pytest.mark.parametrize(("version", "preference", "strategy"), [
+    ("0.5.14", "auto", "patch"), ("0.5.14", "patch", "patch"), ("0.5.14", "native", "native"),
+    ("0.5.12", "patch", "patch"), ("0.5.6", "auto", "patch"), ("0.5.23", "native", "native"),
+    ("0.5.23", "auto", "native"),
+])
+def test_the_host_strategy_key_picks_where_a_release_allows_both(version: str, preference: str, strategy: str) -> None:
+    assert strategy_for(version, preference) == strategy
+
+
+@pytest.mark.parametrize(("version", "preference", "why"), [
+    ("0.5.12", "native", 'strategy = "native" cannot serve sglang 0.5.12: the native strategy needs'),
+    ("0.5.6.post1", "native", "from sglang 0.5.14"),
+    ("0.5.15", "patch", 'strategy = "patch" cannot serve sglang 0.5.15: dynctl has no patch variant'),
+    ("0.5.23", "patch", "variants: 0.5.6, 0.5.7, 0.5.8, 0.5.12, 0.5.14"),
+    ("0.5.13", "native", "sglang 0.5.13 is not supported"),
+])
+def test_a_strategy_the_release_cannot_take_is_refused(version: str, preference: str, why: str) -> None:
+    with pytest.raises(PreflightError, match=re.escape(why)) as err:
+        strategy_for(version, preference)
+    assert err.value.exit_code == 3
+
+
+# --------------------------------------------------------------------------- sglang 0.5.14's own contract
+
+
+def _source(version: str, path: str) -> str:
+    text = wheel_text(version, path)
+    assert text is not None, f"sglang {version} has no {path}"
+    return text
+
+
+def _function(text: str, cls_name: str | None, name: str) -> ast.FunctionDef:
+    tree = ast.parse(text)
+    scope = tree if cls_name is None else next(
+        n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == cls_name)
+    return next(n for n in ast.walk(scope) if isinstance(n, ast.FunctionDef) and n.name == name)
+
+
+@pytest.mark.parametrize("version", SCHEDULE_BATCH_VERSIONS)
+def test_what_the_schedule_batch_fast_path_uses_exists_in_the_release(version: str) -> None:
+    """Every field, attribute and helper the 0.5.14 plain-decode step touches is there, used as it expects."""
+    sb = _dataclass_fields(_source(version, "srt/managers/schedule_batch.py"), "ScheduleBatch")
+    assert {"forward_mode", "input_ids", "req_pool_indices", "seq_lens", "seq_lens_cpu", "seq_lens_sum",
+            "seq_lens_cpu_cache", "out_cache_loc", "spec_info", "capture_hidden_mode", "has_grammar",
+            "return_logprob", "return_hidden_states", "is_extend_in_batch"} <= sb
+    # ForwardBatch is built from the ScheduleBatch: a set capture_hidden_mode overrides the derived one, a
+    # seq_lens_cpu_cache overrides seq_lens_cpu (cleared by the step), and DECODE positions are seq_lens - 1
+    fbi = _source(version, "srt/model_executor/forward_batch_info.py")
+    init_new = ast.unparse(_function(fbi, "ForwardBatch", "init_new"))
+    for used in ("capture_hidden_mode = batch.capture_hidden_mode", "if capture_hidden_mode is None:",
+                 "seq_lens_cpu = seq_lens_cpu_cache", "seq_lens_cpu = batch.seq_lens_cpu",
+                 "ret.positions = clamp_position(batch.seq_lens)", "input_ids=batch.input_ids",
+                 "out_cache_loc=batch.out_cache_loc", "spec_info=batch.spec_info"):
+        assert used in init_new, used
+    tp = ast.unparse(_function(_source(version, "srt/managers/tp_worker.py"), "TpModelWorker",
+                               "forward_batch_generation"))
+    assert "forward_batch = ForwardBatch.init_new(batch, self.model_runner)" in tp
+    assert "batch_result.next_token_ids = self.model_runner.sample(logits_output, forward_batch)" in tp
+
+    result = _dataclass_fields(_source(version, "srt/managers/utils.py"), "GenerationBatchResult")
+    assert {"logits_output", "next_token_ids", "can_run_cuda_graph", "accept_lens", "new_seq_lens",
+            "next_draft_input", "speculative_num_draft_tokens"} <= result
+    draft = _dataclass_fields(_source(version, "srt/speculative/eagle_info.py"), "EagleDraftInput")
+    assert {"bonus_tokens", "topk_p", "topk_index", "hidden_states", "draft_probs"} <= draft
+    # the scheduler reads D tokens per request at the stride the result carries, accept_lens of them
+    processor = _source(version, "srt/managers/scheduler_components/batch_result_processor.py")
+    assert "stride = result.speculative_num_draft_tokens" in processor
+    assert "accept_tokens = next_token_ids[i * stride : i * stride + accept_lens[i]]" in processor
+
+    info_v2 = _source(version, "srt/speculative/eagle_info_v2.py")
+    assert "assign_extend_cache_locs_func as assign_extend_cache_locs_func" in info_v2
+    func = _function(_source(version, "srt/speculative/triton_ops/cache_locs.py"), None,
+                     "assign_extend_cache_locs_func")
+    assert [a.arg for a in func.args.args] == ["req_pool_indices", "req_to_token", "start_offset", "end_offset",
+                                               "batch_size", "draft_token_num", "device"]
+    assert "def record_stream_each(tensors, stream):" in _source(version, "srt/speculative/spec_utils.py")
+
+    worker = _source(version, "srt/speculative/eagle_worker_v2.py")
+    eagle = _self_attrs(worker, "EAGLEWorkerV2")
+    assert {"server_args", "tp_rank", "device", "speculative_num_draft_tokens", "req_to_token_pool",
+            "target_worker", "draft_worker", "war_fastpath_runner", "_stub_skipped_draft_extend"} <= eagle
+    forward = _function(worker, "EAGLEWorkerV2", "forward_batch_generation")
+    assert [a.arg for a in forward.args.args] == ["self", "batch", "on_publish"]
+    assert "on_publish(batch_output.new_seq_lens)" in ast.unparse(forward)
+    # a verify with accept length 1 returns these, which the disabled step mirrors
+    verify = ast.unparse(_function(worker, "EAGLEWorkerV2", "verify"))
+    for used in ("next_token_ids=predict", "speculative_num_draft_tokens=self.speculative_num_draft_tokens",
+                 "accept_lens=accept_lens", "new_seq_lens=new_seq_lens",
+                 "next_draft_input = EagleDraftInput(bonus_tokens=bonus_tokens)"):
+        assert used in verify, used
+    stub = ast.unparse(_function(worker, "EAGLEWorkerV2", "_stub_skipped_draft_extend"))
+    assert [a.arg for a in _function(worker, "EAGLEWorkerV2", "_stub_skipped_draft_extend").args.args] == [
+        "self", "batch", "batch_output"]
+    assert "next_draft_input.topk_p" in stub and "next_draft_input.hidden_states" in stub
+
+    # the scheduler passes on_publish (the FutureMap), stashes next_draft_input, and its write-after-read
+    # barrier waits on the spec worker's runner's read-done event, else on the whole forward
+    scheduler = _source(version, "srt/managers/scheduler.py")
+    run_batch = ast.unparse(_function(scheduler, "Scheduler", "run_batch"))
+    assert "'on_publish': partial(self.future_map.publish, future_indices)" in run_batch
+    assert "self.future_map.stash(future_indices, stash_payload)" in run_batch
+    barrier = ast.unparse(_function(scheduler, "Scheduler", "_apply_war_barrier"))
+    assert "runner = self.model_worker.war_fastpath_runner" in barrier
+    assert "ev = runner.war_fastpath_read_done_event" in barrier
+    assert "self.schedule_stream.wait_stream(self.forward_stream)" in barrier
+    # the hand-over point: the collector exists before init_model_worker, which captures every graph
+    init = ast.unparse(_function(scheduler, "Scheduler", "__init__"))
+    assert init.index("self.metrics_collector = ") < init.index("self.init_model_worker()")
+    model_worker = ast.unparse(_function(scheduler, "Scheduler", "init_model_worker"))
+    assert "self.init_all_cuda_graphs()" in model_worker and "self.maybe_init_draft_worker()" in model_worker
+    collector = _source(version, "srt/observability/metrics_collector.py")
+    assert "self.labels = labels" in ast.unparse(_function(collector, "SchedulerMetricsCollector", "__init__"))
+
+
+@pytest.mark.parametrize("version", SCHEDULE_BATCH_VERSIONS)
+def test_what_the_schedule_batch_plain_decode_graphs_use_exists_in_the_release(version: str) -> None:
+    runner = _source(version, "srt/model_executor/model_runner.py")
+    assert "def _get_attention_backend(self, init_new_workspace: bool = False):" in runner
+    assert {"attn_backend", "decode_cuda_graph_runner", "spec_algorithm", "init_new_workspace", "tp_size",
+            "war_fastpath_read_done_event", "hybrid_gdn_config", "mamba2_config"} <= _self_attrs(runner, "ModelRunner")
+    forward = ast.unparse(_function(runner, "ModelRunner", "_forward_raw"))
+    # None makes the step eager; the graphs are picked by batch size, not by forward mode
+    assert "self.decode_cuda_graph_runner and self.decode_cuda_graph_runner.can_run_graph(forward_batch)" in forward
+    assert "self.decode_cuda_graph_runner.execute(" in forward
+    # without CUDA graphs the decode runner is the eager runner (why arming checks the class)
+    assert "self.decode_cuda_graph_runner = self.eager_runner" in runner
+    assert "class EagerRunner(BaseRunner):" in _source(version, "srt/model_executor/runner/eager_runner.py")
+    assert "return cls.NONE" in _source(version, "srt/speculative/spec_info.py")
+    assert "from sglang.srt.model_executor.runner import (\n    DecodeCudaGraphRunner," in _source(
+        version, "srt/speculative/eagle_worker_v2.py")
+
+    graphs = _source(version, "srt/model_executor/runner/decode_cuda_graph_runner.py")
+    init_node = _function(graphs, "DecodeCudaGraphRunner", "__init__")
+    assert "attn_backend" in [a.arg for a in init_node.args.kwonlyargs]
+    init = ast.unparse(init_node)
+    # TARGET_VERIFY only for a speculative model runner; the backend given is the one set up and captured on
+    assert "if model_runner.spec_algorithm.is_speculative():" in init
+    assert "self.capture_forward_mode = ForwardMode.TARGET_VERIFY" in init
+    assert "self.capture_forward_mode = ForwardMode.DECODE" in init
+    assert "self.attn_backend = attn_backend or model_runner.attn_backend" in init
+    assert "self.attn_backend.init_cuda_graph_state(self.max_bs, self.max_num_token)" in init
+    assert "self.capture_bs" in init and "self.capture()" in init
+    # a DECODE replay records the read-done event the WAR barrier may wait on
+    execute = ast.unparse(_function(graphs, "DecodeCudaGraphRunner", "execute"))
+    assert "if forward_batch.forward_mode.is_decode():" in execute
+    assert "self.model_runner.war_fastpath_read_done_event = read_done" in execute
+
+    args = _dataclass_fields(_source(version, "srt/server_args.py"), "ServerArgs")
+    assert {"speculative_algorithm", "disable_overlap_schedule", "speculative_eagle_topk", "enable_dp_attention",
+            "enable_multi_layer_eagle", "enable_two_batch_overlap", "enable_pdmux", "speculative_adaptive",
+            "enable_lora", "enable_metrics", "enable_metrics_for_all_schedulers", "max_running_requests",
+            "speculative_num_draft_tokens"} <= args
+
+
+@pytest.mark.parametrize("version", SCHEDULE_BATCH_VERSIONS)
+def test_the_annotated_field_gives_the_flag_through_sglangs_own_cli_derivation(version: str, tmp_path) -> None:
+    """sglang's arg_utils (stdlib only) turns the inserted field into `--speculative-disable-batch-threshold N`."""
+    import argparse
+    import dataclasses
+    import importlib.util
+    import sys
+    import typing
+
+    from dynctl.patching.recipe import fragment_text
+
+    source = tmp_path / "arg_utils.py"
+    source.write_text(_source(version, "srt/arg_groups/arg_utils.py"))
+    spec = importlib.util.spec_from_file_location("sglang_arg_utils", source)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+        # the class resolves its annotations in the module it names: arg_utils has A and Optional
+        namespace = {"__name__": spec.name, "A": module.A, "Optional": typing.Optional}
+        exec("class Args:\n" + fragment_text("server_args.field-0.5.14.pyfrag"), namespace)
+        args_cls = dataclasses.dataclass(namespace["Args"])
+        parser = argparse.ArgumentParser()
+        module.add_cli_args_from_dataclass(parser, args_cls)
+    finally:
+        del sys.modules[spec.name]
+    assert parser.parse_args(["--speculative-disable-batch-threshold", "7"]).speculative_disable_batch_threshold == 7
+    assert parser.parse_args([]).speculative_disable_batch_threshold is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--speculative-disable-batch-threshold", "abc"])

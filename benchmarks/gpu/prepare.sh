@@ -3,7 +3,7 @@
 #
 #   benchmarks/gpu/prepare.sh [VERSION ...]    default: 0.5.12.post1 (run from the repository root)
 #
-# One carry folder per sglang line: 0.5.12.post1 (patch) and 0.5.14 (native) each fill about
+# One carry folder per sglang line: 0.5.12.post1 (patch) and 0.5.14 (patch and native) each fill about
 # 44-46 MB, so the two together exceed the 64 MiB a call can carry (DEST=.gpu14 for the second).
 #
 # Environment:
@@ -23,7 +23,8 @@
 #                                      rmsnorm calls flashinfer.norm, compiled by nvcc on first use);
 #                                      per sglang version
 #   sglang-<V>-pristine.tar.xz         sglang package as released
-#   sglang-<V>-patched.tar.xz          the same after `dynctl patch apply` (0.5.6-0.5.12 only)
+#   sglang-<V>-patched.tar.xz          the same after `dynctl patch apply` (releases with a patch
+#                                      variant: 0.5.6-0.5.12 and 0.5.14)
 #   adaptive-t<N>.json, .argv.json     sglang >= 0.5.14: the adaptive config and launch flags that
 #                                      dynctl generates for threshold N (native_config.py)
 #   wheels/                            dynctl's own wheel (built from this checkout) and the dependencies
@@ -118,13 +119,15 @@ for V in "${VERSIONS[@]}"; do
   tar -C "$SP" -cf - --exclude=__pycache__ sglang "sglang-$V.dist-info" | $XZ > "$DEST/sglang-$V-pristine.tar.xz"
   echo "$KV" > "$DEST/sglang-$V.kernels"
   if [ "$("$PY312" -c 'import re, sys; print(tuple(map(int, re.findall(r"\d+", sys.argv[1])[:3])) >= (0, 5, 14))' "$V")" = True ]; then
-    # native: nothing to patch; dynctl's adaptive config for THRESHOLD, checked with this release's code
+    # native: dynctl's adaptive config for THRESHOLD, checked with this release's code
     if ! "$BUILD/dynv/bin/python" "$HERE/native_config.py" --threshold "${THRESHOLD:-2}" --sglang-tree "$SP" \
         --out "$DEST" 2>&1 | tee -a "$DEST/MANIFEST"; then
       echo "native_config.py failed for sglang $V"; exit 1
     fi
-    continue
   fi
+  # patch: where dynctl has a variant for this release (0.5.6-0.5.12, 0.5.14), as `strategy = "auto"` picks
+  STRATEGY=$("$BUILD/dynv/bin/python" -c 'import sys; from dynctl.patching import strategy_for; print(strategy_for(sys.argv[1]))' "$V")
+  [ "$STRATEGY" = patch ] || continue
   cat > "$BUILD/dynctl-$V.toml" <<TOML
 default_host = "build"
 [hosts.build]

@@ -41,11 +41,12 @@ class PatchState:
 
 def read_patch_state(agent: AgentClient) -> PatchState:
     """One agent round trip, then the pure planner; never raises for a refused or unsupported patch."""
-    return patch_state_from(agent.call("patch_read", files=target_files()))
+    return patch_state_from(agent.call("patch_read", files=target_files()), agent.host.strategy)
 
 
-def patch_state_from(answer: dict[str, Any]) -> PatchState:
-    """The pure part of read_patch_state, for callers that fetched `patch_read`'s answer themselves."""
+def patch_state_from(answer: dict[str, Any], preference: str = "auto") -> PatchState:
+    """The pure part of read_patch_state, for callers that fetched `patch_read`'s answer themselves;
+    `preference` is the host's `strategy` key."""
     sglang = answer["sglang"]
     version = sglang.get("version")
     files = {path: (None if info is None else {"sha256": info.get("sha256"), "symlink": info.get("symlink")})
@@ -54,14 +55,15 @@ def patch_state_from(answer: dict[str, Any]) -> PatchState:
                        strategy="unsupported", status="unsupported", detail="", current=answer.get("current"),
                        release=answer.get("release"), incomplete=list(answer.get("incomplete") or []), files=files)
     try:
-        state.strategy = strategy_for(version or "unknown")
+        state.strategy = strategy_for(version or "unknown", preference)
     except PreflightError as err:
         state.detail = str(err)
         return state
     if state.strategy == "native":
         state.status = "native"
         state.detail = (f"sglang {version} has adaptive speculation: no file is patched, "
-                        f"the threshold is a launch config")
+                        f"the threshold is a launch config"
+                        + (' (strategy = "native")' if preference == "native" else ""))
         return state
     originals = {path: (info or {}).get("text") for path, info in answer["files"].items()}
     release = answer.get("release") or {}

@@ -70,7 +70,23 @@ _NUM_DRAFT_TOKENS_ARG = (
 )
 
 
-def _server_args() -> FileRecipe:
+_NUM_DRAFT_TOKENS_FIELD_0_5_14 = (
+    "    speculative_num_draft_tokens: A[\n"
+    "        Optional[int],\n"
+    '        "The number of tokens sampled from the draft model in Speculative Decoding.",\n'
+    "    ] = None\n"
+)
+
+
+def _server_args(variant: str) -> FileRecipe:
+    if variant == "0.5.14":
+        # From 0.5.14 the command line is derived from the annotated fields: no add_argument.
+        return FileRecipe(SERVER_ARGS, (
+            Insertion("the speculative_num_draft_tokens field", "server_args.field-0.5.14.pyfrag",
+                      _NUM_DRAFT_TOKENS_FIELD_0_5_14),
+            Insertion("the handle_speculative_decoding(self) call in __post_init__", "server_args.check.pyfrag",
+                      "        handle_speculative_decoding(self)\n"),
+        ))
     return FileRecipe(SERVER_ARGS, (
         Insertion("the speculative_num_draft_tokens field", "server_args.field.pyfrag",
                   "    speculative_num_draft_tokens: Optional[int] = None\n"),
@@ -93,7 +109,8 @@ def _scheduler(variant: str) -> FileRecipe:
                   '                logging.warning(f"Updating {k} is not supported.")\n'
                   "                if_success = False\n"
                   "                break\n"),
-        Insertion("the point where both metrics and the spec worker exist", "scheduler.metrics.pyfrag",
+        Insertion("the point where both metrics and the spec worker exist",
+                  "scheduler.metrics-0.5.14.pyfrag" if variant == "0.5.14" else "scheduler.metrics.pyfrag",
                   after_both),
     ))
 
@@ -113,6 +130,16 @@ def _eagle_class_is_last(text: str) -> str | None:
 
 
 def _eagle_worker(variant: str) -> FileRecipe:
+    if variant == "0.5.14":
+        # 0.5.14 passes the ScheduleBatch and an on_publish callback; the fast path is one
+        # fragment there (no one-token draft-extend, so no release-specific compat methods).
+        return FileRecipe(EAGLE_WORKER, (
+            Insertion("the SpeculativeAlgorithm import", "eagle_worker_v2.imports-0.5.14.pyfrag",
+                      "from sglang.srt.speculative.spec_info import SpeculativeAlgorithm\n"),
+            Insertion("EAGLEWorkerV2.forward_batch_generation", "eagle_worker_v2.dispatch-0.5.14.pyfrag",
+                      "    def forward_batch_generation(self, batch: ScheduleBatch, on_publish=None):\n"),
+            Insertion("the end of class EAGLEWorkerV2", "eagle_worker_v2.methods-0.5.14.pyfrag", at_end=True),
+        ), checks=(_eagle_class_is_last,))
     return FileRecipe(EAGLE_WORKER, (
         Insertion("`import contextlib`", "eagle_worker_v2.stdlib.pyfrag", "import contextlib\n"),
         Insertion("the SpeculativeAlgorithm import", "eagle_worker_v2.imports.pyfrag",
@@ -125,7 +152,7 @@ def _eagle_worker(variant: str) -> FileRecipe:
 
 
 def recipes(variant: str) -> tuple[FileRecipe, ...]:
-    return (_server_args(), _scheduler(variant), _eagle_worker(variant))
+    return (_server_args(variant), _scheduler(variant), _eagle_worker(variant))
 
 
 def target_files() -> list[str]:
