@@ -36,6 +36,9 @@ def main():
     ap.add_argument("--threshold", type=int, required=True, help="N, dynctl's recommendation in that run")
     ap.add_argument("--draft-mode", choices=["skip", "warm"], required=True,
                     help="which patched server the summary's threshold_0/threshold_N rows come from")
+    ap.add_argument("--labels", default="",
+                    help="sweep labels of the threshold rows, t0,tm1,tN (default <draft-mode>-t0,warm-tm1,"
+                         "<draft-mode>-tN)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--note", default="")
     a = ap.parse_args()
@@ -44,8 +47,8 @@ def main():
         sweeps.update(json.load(open(f)))
     tars = [tarfile.open(f) for f in glob.glob(os.path.join(a.run_dir, "results-*.tar.gz"))]
     n, mode = a.threshold, a.draft_mode
-    rows = {"no_spec": "nospec", "eagle3": "eagle3", "threshold_0": f"{mode}-t0",
-            "threshold_-1": "warm-tm1", "threshold_N": f"{mode}-t{n}"}
+    t0, tm1, tn = a.labels.split(",") if a.labels else (f"{mode}-t0", "warm-tm1", f"{mode}-t{n}")
+    rows = {"no_spec": "nospec", "eagle3": "eagle3", "threshold_0": t0, "threshold_-1": tm1, "threshold_N": tn}
     missing = [v for v in rows.values() if v not in sweeps]
     if missing:
         raise SystemExit(f"{a.run_dir}: no sweep for {missing}; have {sorted(sweeps)}")
@@ -57,6 +60,8 @@ def main():
     def ratio(num, den):
         return [round(x / y, 3) if y else None for x, y in zip(num, den)]
 
+    first = sweeps["nospec"][0].get("windows") or [{}]
+    windows, seconds = len(first), round(first[0].get("seconds", 0), 1)
     best = [max(x, y) for x, y in zip(tok["no_spec"], tok["eagle3"])]
     ratios = {"threshold_N / max(no_spec, eagle3)": ratio(tok["threshold_N"], best),
               "threshold_0 / no_spec": ratio(tok["threshold_0"], tok["no_spec"]),
@@ -77,8 +82,8 @@ def main():
                   "--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "3",
                   "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4",
                   "CUDA graphs on (bs 1..256)"],
-        "method": "closed loop of C workers on /generate, 128 new tokens, greedy; after a warm-up, three "
-                  "back-to-back windows per level measured with the server's own counters "
+        "method": "closed loop of C workers on /generate, 128 new tokens, greedy; after a warm-up, "
+                  f"{windows} back-to-back windows of {seconds} s per level measured with the server's own counters "
                   "(sglang:realtime_tokens_total{mode=decode}, sglang:cuda_graph_passes_total); tok_s is the "
                   "mean of the windows and spread_pct (max-min)/mean across them",
         "draft_mode_in_summary": mode,

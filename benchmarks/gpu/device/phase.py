@@ -13,6 +13,8 @@ next to it; one call per phase, each within the device's 10-minute limit:
   python3 .gpu/bin/phase.py check --version 0.5.11         # correctness: outputs, flips, scoring, a
                                                            # dynctl-deployed server: 1,000 flips, bench
   python3 .gpu/bin/phase.py repeat --version 0.5.12.post1  # the speed table, modes interleaved per level
+  python3 .gpu14/bin/phase.py native --version 0.5.14      # >= 0.5.14: adaptive config (and its knob)
+                                                           # against the patched fast path
   python3 .gpu/bin/phase.py tp --tp 2 --version 0.5.12.post1   # TP N: flips under load, no hang
 
 Servers run in their own session; their logs, the sweeps and the scores land in $GPU_ENV/results and
@@ -633,24 +635,85 @@ def phase_repeat(a):
         client.generate(s.url, [5, 6, 7, 8], 8)
     modes = [("nospec", "nospec", None), ("eagle3", "eagle3", None), ("warm-tm1", "patched", -1),
              ("skip-t0", "patched", 0), (f"skip-t{n}", "patched", n)]
+    interleaved(servers, modes)
+    for s in servers.values():
+        s.stop()
+
+
+def phase_native(a):
+    """sglang >= 0.5.14: its own adaptive speculation with the config dynctl generates for N (carried
+    as adaptive-t<N>.json/.argv.json), the same with SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND=1, and the
+    tree patched by dynctl (the plain-decode fast path), next to no-spec and EAGLE-3; greedy outputs of
+    the patched server scored on the no-spec one, then every mode interleaved per level."""
+    envs, m = setup(a.version, ["pristine", "patched"])
+    p = prompts_file()
+    p8 = os.path.join(RES, "prompts8.json")
+    json.dump(json.load(open(p))[:8], open(p8, "w"))
+    n = a.threshold
+    cfg = os.path.join(CARRY, f"adaptive-t{n}.json")
+    adaptive = [x.replace("{config}", cfg) for x in json.load(open(os.path.join(CARRY, f"adaptive-t{n}.argv.json")))]
+    say(f"dynctl adaptive config, threshold {n}: {json.dumps(json.load(open(cfg)), sort_keys=True)}; "
+        f"flags {' '.join(adaptive)}")
+    thr = ["--speculative-disable-batch-threshold", "-1"]
+    plan = [Server("nospec", 30000, envs["pristine"], common_args(m, False)),
+            Server("eagle3", 30001, envs["pristine"], common_args(m, True)),
+            Server("adaptive", 30002, envs["pristine"], common_args(m, True, adaptive)),
+            Server("adaptive-skipdx", 30003, dict(envs["pristine"], SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND="1"),
+                   common_args(m, True, adaptive)),
+            Server("patched", 30004, envs["patched"], common_args(m, True, thr))]
+    for s in plan:
+        s.launch()
+    servers = {s.name: s for s in plan if s.wait_ready()}
+    for s in servers.values():
+        for l in graph_lines(s) + s.grep(r"Built adaptive runtime state|AdaptiveSpeculativeParams initialized")[:3]:
+            say(f"{s.name}: " + re.sub(r"^\[[^\]]*\]\s*", "", l)[:400])
+        client.generate(s.url, [5, 6, 7, 8], 8)
+    ps, ns = servers.get("patched"), servers.get("nospec")
+    if ps:
+        first_disabled_step(ps)
+        outs = []
+        for v in (0, n, -1):
+            set_threshold(ps, v)
+            outs.append((p, gen(ps, f"patched-t{v}-c8", p, concurrency=8)))
+        outs.append((p8, gen(ps, "patched-flip-c1", p8, concurrency=1, flip_threshold="0,-1", flip_every=0.3)))
+        outs.append((p, gen(ps, "patched-flip-c8", p, concurrency=8, flip_threshold="0,-1", flip_every=0.3)))
+        say(f"patched: transition lines {len(ps.grep(r'Speculation (disabled|enabled)'))}")
+        if ns:
+            outs.insert(0, (p, gen(ns, "nospec-c8", p, concurrency=8)))
+            rows = []
+            for pf in (p, p8):
+                files = [f for (q, f) in outs if q == pf]
+                rows += client.cmd_score(client.Args(url=ns.url, prompts=pf, files=files,
+                                                     out=os.path.join(RES, f"score-{len(rows)}.json")))
+            json.dump(rows, open(os.path.join(RES, "score.json"), "w"), indent=1)
+            for r in rows:
+                say("score: " + json.dumps(r))
+    modes = [("nospec", "nospec", None), ("eagle3", "eagle3", None), (f"adaptive-t{n}", "adaptive", None),
+             (f"adaptive-skipdx-t{n}", "adaptive-skipdx", None), ("patched-tm1", "patched", -1),
+             ("patched-t0", "patched", 0), (f"patched-t{n}", "patched", n)]
+    interleaved(servers, modes)
+    for s in servers.values():
+        s.stop()
+
+
+def interleaved(servers, modes):
+    """Every mode at every level, the order rotating from level to level, so that the modes compared
+    share the same minutes of the machine; one sweep-<label>.json per mode."""
     modes = [x for x in modes if x[1] in servers]
     rows = {label: [] for label, _, _ in modes}
     for i, c in enumerate(int(x) for x in LEVELS.split(",")):
-        if left() < 12 * len(modes):
-            say(f"repeat: stopped before c{c}, budget")
+        if left() < 10 * len(modes):
+            say(f"interleaved sweeps: stopped before c{c}, budget")
             break
         for label, name, threshold in modes[i % len(modes):] + modes[:i % len(modes)]:
             s = servers[name]
             if threshold is not None:
                 client.set_threshold(s.url, threshold)
-            r = client.sweep_level(s.url, c, PROMPTS, 128, **SWEEP)
-            rows[label].append(r)
+            rows[label].append(client.sweep_level(s.url, c, PROMPTS, 128, **SWEEP))
         say(f"c{c}: " + ", ".join(f"{label}={rows[label][-1]['tok_s']:.0f}±{rows[label][-1]['spread_pct']:.0f}%"
-                                  for label, _, _ in modes))
+                                  f"({rows[label][-1]['step_ms']}ms)" for label, _, _ in modes))
     for label, rs in rows.items():
         json.dump(rs, open(os.path.join(RES, f"sweep-{label}.json"), "w"), indent=1)
-    for s in servers.values():
-        s.stop()
 
 
 def phase_tp(a):
@@ -708,7 +771,7 @@ def finish(phase, version):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("phase", choices=["speed", "check", "repeat", "tp"])
+    ap.add_argument("phase", choices=["speed", "check", "repeat", "native", "tp"])
     ap.add_argument("--tp", type=int, default=2, help="tp: tensor parallel size (GPUs)")
     ap.add_argument("--version", default="0.5.12.post1")
     ap.add_argument("--threshold", type=int, default=8,
@@ -722,7 +785,7 @@ def main():
     say("gpu: " + subprocess.run(["nvidia-smi", "--query-gpu=name,memory.used,memory.total,driver_version",
                                   "--format=csv,noheader"], text=True, capture_output=True).stdout.strip())
     try:
-        {"speed": phase_speed, "check": phase_check, "repeat": phase_repeat, "tp": phase_tp}[a.phase](a)
+        {"speed": phase_speed, "check": phase_check, "repeat": phase_repeat, "native": phase_native, "tp": phase_tp}[a.phase](a)
     finally:
         say(f"phase {a.phase} {a.version} done in {time.time() - T0:.0f}s")
         finish(a.phase, a.version)
