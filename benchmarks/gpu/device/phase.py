@@ -478,15 +478,21 @@ def correctness(servers, p, n):
     if ns is None or not outs:
         return
     outs.insert(0, (p, gen(ns, "nospec-c8", p, concurrency=8)))
+    score_outputs(ns, outs, (p, p8))
+
+
+def score_outputs(ns, outs, prompt_files, tag="score"):
+    """Teacher-forced scoring of greedy outputs [(prompts file, outputs file)] on the no-spec server."""
     rows = []
-    for pf in (p, p8):
+    for pf in prompt_files:
         files = [f for (q, f) in outs if q == pf]
         if files:
             rows += client.cmd_score(client.Args(url=ns.url, prompts=pf, files=files,
-                                                 out=os.path.join(RES, f"score-{len(rows)}.json")))
+                                                 out=os.path.join(RES, f"{tag}-{len(rows)}.json")))
     json.dump(rows, open(os.path.join(RES, "score.json"), "w"), indent=1)
     for r in rows:
         say("score: " + json.dumps(r))
+    return rows
 
 
 def gen(s, label, prompts, **kw):
@@ -579,14 +585,7 @@ def phase_check(a):
         outs.append((p, gen(strict, "strict-flip-c8", p, concurrency=8, flip_threshold="0,-1", flip_every=0.3)))
         dynctl(denv, "threshold", str(n), "--yes", "--host", "strict")
     if ns and outs:
-        rows = []
-        for pf in (p, p8):
-            files = [f for (q, f) in outs if q == pf]
-            rows += client.cmd_score(client.Args(url=ns.url, prompts=pf, files=files,
-                                                 out=os.path.join(RES, f"score-check-{len(rows)}.json")))
-        json.dump(rows, open(os.path.join(RES, "score.json"), "w"), indent=1)
-        for r in rows:
-            say("score: " + json.dumps(r))
+        score_outputs(ns, outs, (p, p8), "score-check")
     for x in servers.values():
         x.stop()
     if strict is not None and left() > 60:
@@ -680,14 +679,7 @@ def phase_native(a):
         say(f"patched: transition lines {len(ps.grep(r'Speculation (disabled|enabled)'))}")
         if ns:
             outs.insert(0, (p, gen(ns, "nospec-c8", p, concurrency=8)))
-            rows = []
-            for pf in (p, p8):
-                files = [f for (q, f) in outs if q == pf]
-                rows += client.cmd_score(client.Args(url=ns.url, prompts=pf, files=files,
-                                                     out=os.path.join(RES, f"score-{len(rows)}.json")))
-            json.dump(rows, open(os.path.join(RES, "score.json"), "w"), indent=1)
-            for r in rows:
-                say("score: " + json.dumps(r))
+            score_outputs(ns, outs, (p, p8))
     modes = [("nospec", "nospec", None), ("eagle3", "eagle3", None), (f"adaptive-t{n}", "adaptive", None),
              (f"adaptive-skipdx-t{n}", "adaptive-skipdx", None), ("patched-tm1", "patched", -1),
              ("patched-t0", "patched", 0), (f"patched-t{n}", "patched", n)]
