@@ -709,23 +709,28 @@ def interleaved(servers, modes):
 
 
 def phase_tp(a):
-    """Tensor parallel --tp N on N GPUs: the patched server under load while the threshold flips
-    0 <-> -1 every 0.1 s; no hang, transition lines and gauges from TP rank 0 only."""
+    """Tensor parallel --tp N on N GPUs (1 included): the patched server, with strict memory checks
+    and NaN detection, under a 16-stream load (every fifth request asks for logprobs) while the
+    threshold flips 0 <-> -1 every FLIP_EVERY s; no hang, transition lines and gauges from TP rank 0
+    only."""
     envs, m = setup(a.version, ["patched"])
     prompts_file()
-    env = dict(envs["patched"], NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+    env = dict(envs["patched"], NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1",
+               SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY="1")
     s = Server(f"tp{a.tp}", 30020, env,
-               common_args(m, True, ["--tp", str(a.tp), "--speculative-disable-batch-threshold", "2"]))
+               common_args(m, True, ["--tp", str(a.tp), "--speculative-disable-batch-threshold", "2",
+                                     "--enable-nan-detection"]))
     s.launch()
     if not s.wait_ready(timeout=max(30, left() - 40)):
         return
     for l in graph_lines(s):
         say(f"{s.name}: {l}")
+    first_disabled_step(s)
     stop = threading.Event()
     flips = [0, 0]
 
     def flipper():
-        while not stop.wait(0.1):
+        while not stop.wait(float(os.environ.get("FLIP_EVERY", "0.1"))):
             try:
                 client.set_threshold(s.url, 0 if flips[0] % 2 == 0 else -1)
             except Exception:  # noqa: BLE001
@@ -735,7 +740,8 @@ def phase_tp(a):
     th = threading.Thread(target=flipper)
     th.start()
     row = client.sweep_level(s.url, 16, PROMPTS, 128, warmup=0.5, window=1.0,
-                             windows=max(3, min(20, int(left() - 25))))
+                             windows=max(3, min(int(os.environ.get("SOAK_SECONDS", "20")), int(left() - 25))),
+                             logprob_every=5)
     stop.set()
     th.join()
     health = client.generate(s.url, [5, 6, 7, 8], 4)
