@@ -118,16 +118,24 @@ for V in "${VERSIONS[@]}"; do
   SP=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   tar -C "$SP" -cf - --exclude=__pycache__ sglang "sglang-$V.dist-info" | $XZ > "$DEST/sglang-$V-pristine.tar.xz"
   echo "$KV" > "$DEST/sglang-$V.kernels"
-  if [ "$("$PY312" -c 'import re, sys; print(tuple(map(int, re.findall(r"\d+", sys.argv[1])[:3])) >= (0, 5, 14))' "$V")" = True ]; then
+  # the strategies dynctl can use for this release (its own rules: dynctl.patching.strategy_for)
+  CAN=$("$BUILD/dynv/bin/python" -c 'import sys
+from dynctl.errors import DynctlError
+from dynctl.patching import strategy_for
+for strategy in ("native", "patch"):
+    try:
+        print(strategy_for(sys.argv[1], strategy))
+    except DynctlError:
+        pass' "$V" | tr '\n' ' ')
+  if [[ " $CAN " == *" native "* ]]; then
     # native: dynctl's adaptive config for THRESHOLD, checked with this release's code
     if ! "$BUILD/dynv/bin/python" "$HERE/native_config.py" --threshold "${THRESHOLD:-2}" --sglang-tree "$SP" \
         --out "$DEST" 2>&1 | tee -a "$DEST/MANIFEST"; then
       echo "native_config.py failed for sglang $V"; exit 1
     fi
   fi
-  # patch: where dynctl has a variant for this release (0.5.6-0.5.12, 0.5.14), as `strategy = "auto"` picks
-  STRATEGY=$("$BUILD/dynv/bin/python" -c 'import sys; from dynctl.patching import strategy_for; print(strategy_for(sys.argv[1]))' "$V")
-  [ "$STRATEGY" = patch ] || continue
+  # patch: where dynctl has a variant for this release
+  [[ " $CAN " == *" patch "* ]] || continue
   cat > "$BUILD/dynctl-$V.toml" <<TOML
 default_host = "build"
 [hosts.build]

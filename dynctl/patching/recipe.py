@@ -139,6 +139,7 @@ def _eagle_worker(variant: str) -> FileRecipe:
             Insertion("EAGLEWorkerV2.forward_batch_generation", "eagle_worker_v2.dispatch-0.5.14.pyfrag",
                       "    def forward_batch_generation(self, batch: ScheduleBatch, on_publish=None):\n"),
             Insertion("the end of class EAGLEWorkerV2", "eagle_worker_v2.methods-0.5.14.pyfrag", at_end=True),
+            Insertion("the end of class EAGLEWorkerV2", "eagle_worker_v2.warm.pyfrag", at_end=True),
         ), checks=(_eagle_class_is_last,))
     return FileRecipe(EAGLE_WORKER, (
         Insertion("`import contextlib`", "eagle_worker_v2.stdlib.pyfrag", "import contextlib\n"),
@@ -147,6 +148,7 @@ def _eagle_worker(variant: str) -> FileRecipe:
         Insertion("EAGLEWorkerV2.forward_batch_generation", "eagle_worker_v2.dispatch.pyfrag",
                   "    def forward_batch_generation(self, model_worker_batch: ModelWorkerBatch):\n"),
         Insertion("the end of class EAGLEWorkerV2", "eagle_worker_v2.methods.pyfrag", at_end=True),
+        Insertion("the end of class EAGLEWorkerV2", "eagle_worker_v2.warm.pyfrag", at_end=True),
         Insertion("the end of class EAGLEWorkerV2", f"eagle_worker_v2.compat-{variant}.pyfrag", at_end=True),
     ), checks=(_eagle_class_is_last,))
 

@@ -267,27 +267,26 @@ def common_args(m, spec, extra=()):
     return a + os.environ.get("GPU_SERVER_ARGS", "").split() + list(extra)
 
 
-def start_all(specs):
-    """Start servers one after another (each once its KV cache is allocated, so that every one sizes its
-    memory from what the others left), then wait until all are ready."""
-    servers = {}
-    for s, extra_env in specs:
-        s.launch(extra_env)
-        servers[s.name] = s
-        if not s.wait_log(r"KV Cache is allocated", 240):
-            say(f"{s.name}: no KV cache after 240 s; log tail:\n" + s.tail(30))
-    for s in servers.values():
-        s.wait_ready()
-    return {k: v for k, v in servers.items() if v.alive()}
+def launch_all(plan):
+    """Start the servers together (Server.launch says why that is safe), then wait for each; the
+    ones that became ready, by name."""
+    for s in plan:
+        s.launch()
+    return {s.name: s for s in plan if s.wait_ready()}
+
+
+def log_text(line):
+    """A server log line without its timestamp."""
+    return re.sub(r"^\[[^\]]*\]\s*", "", line)
 
 
 def graph_lines(s):
     keep = r"Capture (cuda graph|draft cuda graph|draft extend cuda graph) end|plain decode CUDA graphs"
-    return [re.sub(r"^\[[^\]]*\]\s*", "", l) for l in s.grep(keep)]
+    return [log_text(l) for l in s.grep(keep)]
 
 
 def decode_lines(s, n=3):
-    return [re.sub(r"^\[[^\]]*\]\s*", "", l) for l in s.grep(r"Decode batch")[-n:]]
+    return [log_text(l) for l in s.grep(r"Decode batch")[-n:]]
 
 
 def sweep(s, label, levels=LEVELS):
@@ -391,33 +390,54 @@ def prompts_file():
     return p
 
 
+def prompts_files():
+    """The prompts file, and one with its first 8 prompts (for the concurrency-1 runs)."""
+    p = prompts_file()
+    p8 = os.path.join(RES, "prompts8.json")
+    json.dump(PROMPTS[:8], open(p8, "w"))
+    return p, p8
+
+
+def deploy_strict(version, m, n, hosts=None):
+    """`dynctl deploy --threshold N`, in a thread, of a server on a private copy of the pristine tree
+    with strict memory checks and NaN detection (host "strict", port 30004; `hosts` adds more to the
+    config). Returns dynctl's environment, the thread, and the dict its exit code lands in."""
+    denv = dynctl_env(version)
+    strict_env = tree_env(version, "pristine", copy_as=f"sglang-{version}-dynctl")
+    strict_env["SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY"] = "1"
+    write_dynctl_config(version, m, dict(
+        {"strict": (30004, strict_env, common_args(m, True, ["--enable-nan-detection"]))}, **(hosts or {})))
+    deployed = {}
+    deployer = threading.Thread(target=lambda: deployed.update(
+        rc=dynctl(denv, "deploy", "--threshold", str(n), "--yes", "--host", "strict", timeout=500)[0]))
+    deployer.start()
+    return denv, deployer, deployed
+
+
+def strict_server():
+    """The server deploy_strict() had dynctl start: its log is dynctl's server.log."""
+    s = Server("strict", 30004)
+    s.log = os.path.join(ENV, "dynwork-strict", "server.log")
+    return s
+
+
 def phase_speed(a):
     """Everything the fast path is judged on, in one call: five servers start together (no-spec and
     EAGLE-3 on the pristine tree, the patched tree with the draft kept warm and skipped, and one that
     `dynctl deploy` patches and starts with strict memory checks and NaN detection); then the sweeps,
     greedy outputs scored on the no-spec server, and 1,000 threshold flips under load."""
     envs, m = setup(a.version, ["pristine", "patched"])
-    p = prompts_file()
-    denv = dynctl_env(a.version)
+    p, p8 = prompts_files()
     n = a.threshold
-    strict_env = tree_env(a.version, "pristine", copy_as=f"sglang-{a.version}-dynctl")
-    strict_env["SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY"] = "1"
     thr = ["--speculative-disable-batch-threshold", "-1"]
     plan = [Server("nospec", 30000, envs["pristine"], common_args(m, False)),
             Server("eagle3", 30001, envs["pristine"], common_args(m, True)),
             Server("warm", 30002, envs["patched"], common_args(m, True, thr)),
             Server("skip", 30003, dict(envs["patched"], SGLANG_SPEC_THRESHOLD_DRAFT="skip"),
                    common_args(m, True, thr))]
-    write_dynctl_config(a.version, m, {
-        "strict": (30004, strict_env, common_args(m, True, ["--enable-nan-detection"])),
+    denv, deployer, deployed = deploy_strict(a.version, m, n, {
         "warm": (30002, envs["patched"], []), "skip": (30003, envs["patched"], [])})
-    deployed = {}
-    deployer = threading.Thread(target=lambda: deployed.update(
-        rc=dynctl(denv, "deploy", "--threshold", str(n), "--yes", "--host", "strict", timeout=500)[0]))
-    for s in plan:
-        s.launch()
-    deployer.start()
-    servers = {s.name: s for s in plan if s.wait_ready()}
+    servers = launch_all(plan)
     deployer.join(timeout=120)  # its graph capture would disturb the first sweep
     for s in servers.values():
         for l in graph_lines(s):
@@ -441,7 +461,7 @@ def phase_speed(a):
     if all(os.path.exists(f) for f in files):
         n = recommend_threshold(denv, *files) or n
         json.dump({"threshold": n}, open(os.path.join(RES, "recommended.json"), "w"))
-    correctness(servers, p, n)
+    correctness(servers, p, p8, n)
     measure("skip", 0, "skip-t0")
     measure("warm", -1, "warm-tm1")
     if "warm" in servers:
@@ -450,8 +470,7 @@ def phase_speed(a):
     deployer.join(timeout=max(1, left() - 100))
     say(f"dynctl deploy of the strict server: rc {deployed.get('rc')}")
     if deployed.get("rc") == 0 and left() > 45:
-        strict = Server("strict", 30004)
-        strict.log = os.path.join(ENV, "dynwork-strict", "server.log")
+        strict = strict_server()
         dynctl(denv, "status", "--host", "strict")
         soak(strict, denv, n, flips=int(os.environ.get("FLIPS", "1000")))
     if "skip" in servers:
@@ -459,10 +478,8 @@ def phase_speed(a):
         measure("skip", None, f"skip-t{n}")
 
 
-def correctness(servers, p, n):
+def correctness(servers, p, p8, n):
     """Greedy outputs at 0, N, -1 and flipping 0 <-> -1 every 0.3 s, scored on the no-spec server."""
-    p8 = os.path.join(RES, "prompts8.json")
-    json.dump(json.load(open(p))[:8], open(p8, "w"))
     outs = []
     for name in ("warm", "skip"):
         s = servers.get(name)
@@ -539,25 +556,13 @@ def phase_check(a):
     `auto`); greedy outputs at 2, 0, -1, N and with 0 <-> -1 flips every 0.3 s, scored on the no-spec
     server; then 1,000 flips under load on the deployed server and `dynctl bench --compare` on it."""
     envs, m = setup(a.version, ["pristine", "patched"])
-    p = prompts_file()
-    p8 = os.path.join(RES, "prompts8.json")
-    json.dump(json.load(open(p))[:8], open(p8, "w"))
-    denv = dynctl_env(a.version)
+    p, p8 = prompts_files()
     n = a.threshold
-    strict_env = tree_env(a.version, "pristine", copy_as=f"sglang-{a.version}-dynctl")
-    strict_env["SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY"] = "1"
-    write_dynctl_config(a.version, m, {
-        "strict": (30004, strict_env, common_args(m, True, ["--enable-nan-detection"]))})
-    deployed = {}
-    deployer = threading.Thread(target=lambda: deployed.update(
-        rc=dynctl(denv, "deploy", "--threshold", str(n), "--yes", "--host", "strict", timeout=500)[0]))
+    denv, deployer, deployed = deploy_strict(a.version, m, n)
     plan = [Server(f"{a.version}-nospec", 30010, envs["pristine"], common_args(m, False)),
             Server(f"{a.version}-warm", 30011, dict(envs["patched"], SGLANG_SPEC_THRESHOLD_DRAFT="extend"),
                    common_args(m, True, ["--speculative-disable-batch-threshold", "2"]))]
-    for s in plan:
-        s.launch()
-    deployer.start()
-    servers = {s.name: s for s in plan if s.wait_ready()}
+    servers = launch_all(plan)
     s, ns = servers.get(f"{a.version}-warm"), servers.get(f"{a.version}-nospec")
     outs = []
     if s:
@@ -576,8 +581,7 @@ def phase_check(a):
     say(f"dynctl deploy of the strict server: rc {deployed.get('rc')}")
     strict = None
     if deployed.get("rc") == 0:
-        strict = Server("strict", 30004)
-        strict.log = os.path.join(ENV, "dynwork-strict", "server.log")
+        strict = strict_server()
         for l in graph_lines(strict):
             say(f"strict: {l}")
         dynctl(denv, "status", "--host", "strict")
@@ -625,9 +629,7 @@ def phase_repeat(a):
     plan = [Server("nospec", 30000, envs["pristine"], common_args(m, False)),
             Server("eagle3", 30001, envs["pristine"], common_args(m, True)),
             Server("patched", 30002, envs["patched"], common_args(m, True, thr))]
-    for s in plan:
-        s.launch()
-    servers = {s.name: s for s in plan if s.wait_ready()}
+    servers = launch_all(plan)
     for s in servers.values():
         for l in graph_lines(s):
             say(f"{s.name}: {l}")
@@ -645,9 +647,7 @@ def phase_native(a):
     tree patched by dynctl (the plain-decode fast path), next to no-spec and EAGLE-3; greedy outputs of
     the patched server scored on the no-spec one, then every mode interleaved per level."""
     envs, m = setup(a.version, ["pristine", "patched"])
-    p = prompts_file()
-    p8 = os.path.join(RES, "prompts8.json")
-    json.dump(json.load(open(p))[:8], open(p8, "w"))
+    p, p8 = prompts_files()
     n = a.threshold
     cfg = os.path.join(CARRY, f"adaptive-t{n}.json")
     adaptive = [x.replace("{config}", cfg) for x in json.load(open(os.path.join(CARRY, f"adaptive-t{n}.argv.json")))]
@@ -660,12 +660,10 @@ def phase_native(a):
             Server("adaptive-skipdx", 30003, dict(envs["pristine"], SGLANG_SPEC_SKIP_ZERO_STEP_DRAFT_EXTEND="1"),
                    common_args(m, True, adaptive)),
             Server("patched", 30004, envs["patched"], common_args(m, True, thr))]
-    for s in plan:
-        s.launch()
-    servers = {s.name: s for s in plan if s.wait_ready()}
+    servers = launch_all(plan)
     for s in servers.values():
         for l in graph_lines(s) + s.grep(r"Built adaptive runtime state|AdaptiveSpeculativeParams initialized")[:3]:
-            say(f"{s.name}: " + re.sub(r"^\[[^\]]*\]\s*", "", l)[:400])
+            say(f"{s.name}: " + log_text(l)[:400])
         client.generate(s.url, [5, 6, 7, 8], 8)
     ps, ns = servers.get("patched"), servers.get("nospec")
     if ps:
