@@ -120,8 +120,24 @@ class SSHServer:
         return []
 
     def drop_connections(self) -> None:
-        """Kill every open session (the per-connection sshd children); the listener keeps running."""
-        kill_procs(self.session_processes())
+        """Kill every open session, as a dropped connection ends it: the per-connection sshd processes and
+        what runs in the sessions sshd made for their commands. The listener keeps running. A process that
+        left its session (setsid, as dynctl's detached operation worker does) is no longer the session's,
+        and sshd does not reach it; taking every descendant at the instant of the cut would also hit such
+        a worker in the moment between its fork and its parent's exit."""
+        procs = self.session_processes()
+        sessions = set()
+        for p in procs:
+            with contextlib.suppress(psutil.Error, OSError):
+                if p.parent().name().startswith("sshd"):
+                    sessions.add(os.getsid(p.pid))
+
+        def in_a_session(p: psutil.Process) -> bool:
+            with contextlib.suppress(psutil.Error, OSError):
+                return p.name().startswith("sshd") or os.getsid(p.pid) in sessions
+            return False
+
+        kill_procs([p for p in procs if in_a_session(p)])
 
     def stop(self) -> None:
         kill_procs(self.session_processes())  # each session has its own SID: the listener's TERM misses them
