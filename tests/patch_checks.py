@@ -14,7 +14,8 @@ FIELD = "speculative_disable_batch_threshold"
 WORKER_METHODS = {"_skip_speculation", "_init_spec_disable", "_capture_spec_disable_graphs",
                   "_spec_disable_plain_target", "_spec_disable_one_token_draft",
                   "_forward_batch_generation_no_spec", "_no_spec_draft_extend",
-                  "_no_spec_bonus_tokens", "_no_spec_finish_result", "_no_spec_draft_context"}
+                  "_no_spec_bonus_tokens", "_no_spec_finish_result", "_no_spec_draft_context",
+                  "_no_spec_serves_logprobs"}
 # sglang 0.5.14: one fragment, the draft skipped on disabled steps (no one-token draft-extend).
 WORKER_METHODS_0_5_14 = {"_skip_speculation", "_init_spec_disable", "_capture_spec_disable_graphs",
                          "_spec_disable_plain_target", "_forward_batch_generation_no_spec"}

@@ -146,10 +146,13 @@ def test_what_the_plain_decode_step_uses_exists_in_the_release(version: str) -> 
     else:
         assert "stride = self.draft_worker.speculative_num_draft_tokens" in mixin
 
-    info_v2 = ast.parse(wheel_text(version, "srt/speculative/eagle_info_v2.py"))
-    func = next(n for n in info_v2.body if isinstance(n, ast.FunctionDef) and n.name == "assign_extend_cache_locs_func")
-    assert [a.arg for a in func.args.args] == ["req_pool_indices", "req_to_token", "start_offset", "end_offset",
-                                               "batch_size", "draft_token_num", "device"]
+    # The plain decode writes the first of the D slots prepare_for_decode assigned: req_to_token[req, seq_len].
+    assert "self.req_to_token = torch.zeros(" in wheel_text(version, "srt/mem_cache/memory_pool.py")
+    if variant_for(version) == "0.5.12":
+        # logprob steps run plain: the scheduler reads one row of accepted-token logprobs per request
+        assert "accepted_logprobs = next_token_logprobs[i]" in mixin
+        assert "flat_idx = i * max_accept + j" in mixin
+        assert "max_accept = len(accepted_logprobs)" in mixin
     fbi = wheel_text(version, "srt/model_executor/forward_batch_info.py")
     assert "ret.positions = clamp_position(batch.seq_lens)" in fbi  # DECODE positions are seq_lens - 1
     # ... from a module-level function that the arming step calls once, to compile it ahead of use

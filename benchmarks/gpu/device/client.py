@@ -19,9 +19,11 @@ Stdlib only (threads + http.client). Subcommands:
   metrics  --url U                                           the sglang:spec_* lines of /metrics
 """
 import argparse
+import gzip
 import json
 import os
 import random
+import subprocess
 import threading
 import time
 import urllib.request
@@ -277,6 +279,135 @@ def sweep_level(url, c, prompts, max_new_tokens, warmup, window, windows, rng_se
         "step_ms": round(sum(r["step_ms"] or 0 for r in rows) / len(rows), 3),
         "tokens_per_step": round(sum(r["tokens_per_step"] or 0 for r in rows) / len(rows), 2),
         "accept_length": rows[-1]["accept_length"],
+    }
+
+
+def logprob_outputs(url, prompts, max_new_tokens, top=2, concurrency=8):
+    """Greedy outputs with their logprobs and top-`top` logprobs, `concurrency` requests at a time."""
+    def one(ids):
+        out = post(url, "/generate", {"input_ids": ids, "return_logprob": True, "top_logprobs_num": top,
+                                      "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens,
+                                                          "ignore_eos": True}})
+        meta = out["meta_info"]
+        return {"ids": [t[1] for t in meta["output_token_logprobs"]],
+                "logprobs": [t[0] for t in meta["output_token_logprobs"]],
+                "top": [[(v, i) for v, i, *_ in (row or [])] for row in meta["output_top_logprobs"]]}
+    with ThreadPoolExecutor(concurrency) as ex:
+        return list(ex.map(one, prompts))
+
+
+def compare_logprobs(base, other):
+    """Where two sets of logprob outputs differ: tokens, and the largest logprob gap on common tokens."""
+    same_tokens, gap, n = 0, 0.0, 0
+    for a, b in zip(base, other):
+        k = 0
+        while k < min(len(a["ids"]), len(b["ids"])) and a["ids"][k] == b["ids"][k]:
+            gap = max(gap, abs(a["logprobs"][k] - b["logprobs"][k]),
+                      max((abs(x[0] - y[0]) for x, y in zip(a["top"][k], b["top"][k])), default=0.0))
+            k += 1
+            n += 1
+        same_tokens += k == len(a["ids"]) == len(b["ids"])
+    return {"outputs": len(base), "identical_token_outputs": same_tokens, "tokens_compared": n,
+            "max_logprob_gap": round(gap, 4)}
+
+
+def steady_level(url, c, max_new_tokens, window, windows=3, prompt_len=16, vocab=32000, seed=7, profile=None,
+                 sample=None, logprob_every=0):
+    """Step cost at a fixed batch: `c` requests sent together, measured once all of them decode.
+
+    No request joins or leaves during the window (no prefill interleaved), so the servers' own
+    counters give the time of one decode step at batch size c: window / decode steps, per each of
+    `windows` back-to-back parts (the spread is theirs). With `sample` (py-spy's argv, the
+    scheduler's pid, seconds, rate, out), py-spy then samples the scheduler's Python stacks. With
+    `profile` = {"dir": D, "steps": K}, sglang's torch profiler then records K steps of the same
+    batch (CPU and GPU activity) into D. Every request runs to its length; returns the row.
+    """
+    rng = random.Random(seed + c)
+    prompts = [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(c)]
+    errors = [0]
+
+    def one(i):
+        body = {"input_ids": prompts[i], "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens,
+                                                              "ignore_eos": True}}
+        if logprob_every and i % logprob_every == 0:
+            body.update(return_logprob=True, top_logprobs_num=2)
+        try:
+            post(url, "/generate", body)
+        except Exception:  # noqa: BLE001
+            errors[0] += 1
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(c)]
+    t_start = time.time()
+    for th in threads:
+        th.start()
+    m = read_metrics(url)
+    while m["running"] < c and time.time() - t_start < 60:
+        time.sleep(0.02)
+        m = read_metrics(url)
+    time.sleep(0.05)  # the last prefill's step out of the window
+    marks = [(time.time(), read_metrics(url))]
+    for _ in range(windows):
+        time.sleep(window / windows)
+        marks.append((time.time(), read_metrics(url)))
+    (t0, m0), (t1, m1) = marks[0], marks[-1]
+    per_window = [1000 * (tb - ta) / (mb["decode_steps"] - ma["decode_steps"])
+                  for (ta, ma), (tb, mb) in zip(marks, marks[1:]) if mb["decode_steps"] > ma["decode_steps"]]
+    sampled = None
+    if sample:
+        # Python stacks of the scheduler process at sample["rate"] Hz while the same batch decodes;
+        # the steps decoded meanwhile normalise the samples to one step.
+        s0 = read_metrics(url)["decode_steps"]
+        r = subprocess.run(sample["argv"] + ["--duration", str(max(1, round(sample["seconds"]))), "--rate", str(sample["rate"]),
+                                             "--format", "raw", "--nonblocking", "--output", sample["out"],
+                                             "--pid", str(sample["pid"])], capture_output=True, text=True)
+        sampled = {"out": sample["out"] if r.returncode == 0 else None, "rc": r.returncode,
+                   "steps": int(read_metrics(url)["decode_steps"] - s0), "err": r.stderr[-400:]}
+    traced = None
+    if profile:
+        before = set(os.listdir(profile["dir"])) if os.path.isdir(profile["dir"]) else set()
+        req = urllib.request.Request(url + "/start_profile", method="POST", data=json.dumps({
+            "output_dir": profile["dir"], "num_steps": profile["steps"], "activities": ["CPU", "GPU"],
+            "profile_prefix": profile.get("prefix")}).encode(), headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:  # answers in plain text
+            r.read()
+        deadline = time.time() + 60
+        while time.time() < deadline and traced is None:
+            new = [f for f in (os.listdir(profile["dir"]) if os.path.isdir(profile["dir"]) else [])
+                   if f not in before and f.endswith(".json.gz")]
+            traced = os.path.join(profile["dir"], new[0]) if new else None
+            time.sleep(0.1)
+        while traced and time.time() < deadline:  # the export has finished once the gzip stream is whole
+            try:
+                with gzip.open(traced, "rb") as f:
+                    while f.read(1 << 20):
+                        pass
+                break
+            except (EOFError, OSError):
+                time.sleep(0.2)
+    running_end = read_metrics(url)["running"]
+    deadline = time.time() + 120  # a server that stops answering costs this level, not the call
+    for th in threads:
+        th.join(timeout=max(0.1, deadline - time.time()))
+    steps = m1["decode_steps"] - m0["decode_steps"]
+    toks = m1["decode_tokens"] - m0["decode_tokens"]
+    dt = t1 - t0
+    return {
+        "concurrency": c,
+        "seconds": round(dt, 3),
+        "steps": int(steps),
+        "step_ms": round(1000 * dt / steps, 4) if steps else None,
+        "step_ms_windows": [round(x, 4) for x in per_window],
+        "spread_pct": (round(100 * (max(per_window) - min(per_window)) / (sum(per_window) / len(per_window)), 1)
+                       if per_window else None),
+        "tok_s": round(toks / dt, 1),
+        "tokens_per_step": round(toks / steps, 3) if steps else None,
+        "graph_share": round((m1["graph_steps"] - m0["graph_steps"]) / steps, 3) if steps else None,
+        "spec_share": round(1 - (m1["disabled_steps"] - m0["disabled_steps"]) / steps, 3) if steps else None,
+        "running": [m0["running"], m1["running"]],
+        "running_after_profile": running_end,
+        "errors": errors[0],
+        "trace": traced,
+        "sampled": sampled,
     }
 
 

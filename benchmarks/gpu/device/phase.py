@@ -129,11 +129,14 @@ def jit_warmup(env):
 
 
 def models():
-    d = os.environ.get("GPU_MODELS") or ("/dev/shm/models" if shutil.disk_usage("/dev/shm").free > 40e9
-                                         else os.path.join(ENV, "models"))
+    """The synthetic target and draft for GPU_MODEL_ARGS, in a folder of their own per shape (a warm
+    machine keeps the models of earlier calls)."""
+    shape = os.environ.get("GPU_MODEL_ARGS", "").split()  # e.g. "--hidden 8192 --heads 64" for TP 8
+    tag = "models" + ("-" + re.sub(r"[^0-9a-z]+", "-", " ".join(shape)).strip("-") if shape else "")
+    d = os.environ.get("GPU_MODELS") or (os.path.join("/dev/shm", tag) if shutil.disk_usage("/dev/shm").free > 40e9
+                                         else os.path.join(ENV, tag))
     if not os.path.exists(os.path.join(d, "draft", "model.safetensors")):
         t = time.time()
-        shape = os.environ.get("GPU_MODEL_ARGS", "").split()  # e.g. "--hidden 8192 --heads 64" for TP 8
         r = subprocess.run([sys.executable, os.path.join(HERE, "make_models.py"), "--out", d] + shape,
                            text=True, capture_output=True, env=dict(os.environ, PYTHONPATH=os.path.join(ENV, "site")))
         for line in (r.stdout + r.stderr).strip().splitlines()[-6:]:
@@ -686,6 +689,155 @@ def phase_native(a):
         s.stop()
 
 
+def py_spy():
+    """py-spy's argv when its carried wheel (<carry>/whl/py_spy-*.whl) unpacks and runs, else None."""
+    wheels = glob.glob(os.path.join(CARRY, "whl", "py_spy-*.whl"))
+    if not wheels:
+        return None
+    dest = os.path.join(ENV, "pyspy")
+    if not os.path.isdir(dest):
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", dest,
+                        wheels[0]], capture_output=True)
+    exe = glob.glob(os.path.join(dest, "bin", "py-spy")) + glob.glob(os.path.join(dest, "*", "bin", "py-spy"))
+    if exe and subprocess.run([exe[0], "--version"], capture_output=True).returncode == 0:
+        return [exe[0], "record"]
+    say("py-spy: not usable")
+    return None
+
+
+def scheduler_pid(s):
+    """The pid of the server's scheduler process (its TP-0 child, titled sglang::scheduler)."""
+    for p in os.listdir("/proc"):
+        if not p.isdigit():
+            continue
+        try:
+            stat = open(f"/proc/{p}/stat").read()
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            title = open(f"/proc/{p}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if ppid == s.pid and "scheduler" in title:
+            return int(p)
+    return s.pid
+
+
+def phase_profile(a):
+    """Step cost at fixed batch sizes: the no-spec server against the patched one at threshold 0 (and,
+    with PROFILE_MODES, other threshold values or an EAGLE-3 server), each level measured on all
+    servers in turn with every request decoding (no prefill in the window), and at PROFILE_LEVELS a
+    torch-profiler trace of PROFILE_STEPS steps summarised per step (trace_summary.py): wall, GPU busy
+    and idle, kernels, CUDA runtime calls, top-level aten operators."""
+    import trace_summary
+
+    trees = ["pristine", "patched"] + [t for t in os.environ.get("PROFILE_TREES", "").split(",") if t]
+    envs, m = setup(a.version, trees)
+    kv_tokens = int(os.environ.get("PROFILE_KV_TOKENS", "180000"))
+    big = ["--max-total-tokens", str(kv_tokens)]
+    thr = ["--speculative-disable-batch-threshold", "0"]
+    plan = [Server("nospec", 30000, envs["pristine"], common_args(m, False, big)),
+            Server("patched", 30002, envs["patched"], common_args(m, True, thr + big))]
+    # other patched trees (e.g. the patch of an earlier commit), each a server of its own
+    for i, t in enumerate(trees[2:]):
+        plan.append(Server(t, 30010 + i, envs[t], common_args(m, True, thr + big)))
+    pyspy = py_spy()
+    if os.environ.get("PROFILE_EAGLE3"):
+        plan.append(Server("eagle3", 30001, envs["pristine"], common_args(m, True, big)))
+    servers = launch_all(plan)
+    for s in servers.values():
+        for line in graph_lines(s):
+            say(f"{s.name}: {line}")
+        client.generate(s.url, [5, 6, 7, 8], 8)
+    if "patched" in servers:
+        first_disabled_step(servers["patched"])
+        if "nospec" in servers and os.environ.get("LOGPROB_CHECK", "1") == "1":
+            # logprob requests on disabled steps: served by the plain step, equal to a no-spec server's
+            rng = __import__("random").Random(3)
+            lp_prompts = [[rng.randrange(3, 32000) for _ in range(24)] for _ in range(16)]
+            base = client.logprob_outputs(servers["nospec"].url, lp_prompts, 48)
+            for name in [n for n in servers if n != "nospec"]:
+                ps = servers[name]
+                client.set_threshold(ps.url, 0)
+                d0 = client.read_metrics(ps.url)["disabled_steps"]
+                got = client.logprob_outputs(ps.url, lp_prompts, 48)
+                d1 = client.read_metrics(ps.url)["disabled_steps"]
+                say(f"{name}: logprob requests at threshold 0: {int(d1 - d0)} disabled steps; against no-spec "
+                    + json.dumps(client.compare_logprobs(base, got)))
+    # label, server, threshold set before the level (None: as started)
+    modes = [("nospec", "nospec", None), ("t0", "patched", 0)] + [(f"{t}-t0", t, 0) for t in trees[2:]]
+    for extra in filter(None, os.environ.get("PROFILE_MODES", "").split(",")):
+        modes.append((f"t{extra}", "patched", int(extra)) if extra.lstrip("-").isdigit() else (extra, extra, None))
+    modes = [x for x in modes if x[1] in servers]
+    prof_levels = {int(x) for x in os.environ.get("PROFILE_LEVELS", "1,16,64,256").split(",") if x}
+    steps_k = int(os.environ.get("PROFILE_STEPS", "20"))
+    window = float(os.environ.get("STEADY_WINDOW", "0.9"))
+    spy_levels = {int(x) for x in os.environ.get("PYSPY_LEVELS", "").split(",") if x}
+    spy_s = float(os.environ.get("PYSPY_SECONDS", "1.0"))
+    logprob_every = int(os.environ.get("STEADY_LOGPROB_EVERY", "0"))
+    trace_dir = os.path.join(RES, "traces")
+    os.makedirs(trace_dir, exist_ok=True)
+    rows = {label: [] for label, _, _ in modes}
+    est_ms = 1.0
+    for i, c in enumerate(int(x) for x in LEVELS.split(",")):
+        if left() < 12 * len(modes):
+            say(f"profile: stopped before c{c}, budget")
+            break
+        # enough tokens for the ramp, the window and the traced steps, within each server's KV budget
+        need = int((window + 0.5 + (spy_s if c in spy_levels else 0)) * 1000 / est_ms) + steps_k + 80
+        max_new = max(64, min(need, kv_tokens // c - 32))
+        for label, name, threshold in modes[i % len(modes):] + modes[:i % len(modes)]:
+            s = servers[name]
+            if threshold is not None:
+                client.set_threshold(s.url, threshold)
+            prof = ({"dir": trace_dir, "steps": steps_k, "prefix": f"{label}-c{c}"} if c in prof_levels else None)
+            sample = None
+            if pyspy and c in spy_levels:
+                sample = {"argv": pyspy, "pid": scheduler_pid(s), "seconds": spy_s, "rate": 1000,
+                          "out": os.path.join(RES, f"pyspy-{label}-c{c}.txt")}
+            r = client.steady_level(s.url, c, max_new, window, profile=prof, sample=sample,
+                                    logprob_every=logprob_every)
+            r["label"], r["max_new_tokens"] = label, max_new
+            if r.get("trace"):
+                r["profile"] = trace_summary.summarize(r["trace"], steps_k)
+            rows[label].append(r)
+        base = rows[modes[0][0]][-1]
+        est_ms = max(r[-1]["step_ms"] or est_ms for r in rows.values())
+        say(f"c{c} (max_new {max_new}): " + ", ".join(
+            f"{label}={rows[label][-1]['step_ms']}ms±{rows[label][-1]['spread_pct']}%"
+            f"(x{(rows[label][-1]['step_ms'] or 0) / (base['step_ms'] or 1):.3f},"
+            f"tps{rows[label][-1]['tokens_per_step']},spec{rows[label][-1]['spec_share']},"
+            f"graph{rows[label][-1]['graph_share']},run{rows[label][-1]['running']})"
+            for label, _, _ in modes))
+        if c in prof_levels:
+            for label, _, _ in modes:
+                pr = rows[label][-1].get("profile") or {}
+                if "wall_us" in pr:
+                    say(f"  profile {label} c{c}: wall {pr['wall_us']}us, gpu busy {pr['gpu_busy_us']}us, "
+                        f"idle {pr['gpu_idle_us']}us, gpu activities {pr['gpu_activities_per_step']}, "
+                        f"cpu ops {pr['cpu_ops_per_step']} ({pr['cpu_op_us']}us)")
+                else:
+                    say(f"  profile {label} c{c}: {pr.get('error', 'no trace')}")
+    for label, rs in rows.items():
+        json.dump(rs, open(os.path.join(RES, f"steady-{label}.json"), "w"), indent=1)
+    profiles = {f"{r['label']}-c{r['concurrency']}": r["profile"] for rs in rows.values() for r in rs
+                if "wall_us" in (r.get("profile") or {})}
+    diffs = {}
+    for label, _, _ in modes[1:]:
+        for c in sorted(prof_levels):
+            a_, b_ = profiles.get(f"{modes[0][0]}-c{c}"), profiles.get(f"{label}-c{c}")
+            if a_ and b_:
+                diffs[f"{label}-c{c}"] = trace_summary.diff(a_, b_)
+    json.dump({"profiles": profiles, "diff_vs_" + modes[0][0]: diffs},
+              open(os.path.join(RES, "profile-summary.json"), "w"), indent=1)
+    for key, d in diffs.items():
+        say(f"  {key} - {modes[0][0]}: " + json.dumps({k: d[k] for k in ("wall_us", "gpu_busy_us", "gpu_idle_us",
+                                                                          "cpu_op_us", "cpu_ops_per_step")}))
+        for table in ("kernels", "runtime", "cpu_ops"):
+            say(f"    {table}: " + json.dumps(dict(list(d[table].items())[:8])))
+    shutil.rmtree(trace_dir, ignore_errors=True)  # summarised; too large to return
+    for s in servers.values():
+        s.stop()
+
+
 def interleaved(servers, modes):
     """Every mode at every level, the order rotating from level to level, so that the modes compared
     share the same minutes of the machine; one sweep-<label>.json per mode."""
@@ -767,7 +919,7 @@ def finish(phase, version):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("phase", choices=["speed", "check", "repeat", "native", "tp"])
+    ap.add_argument("phase", choices=["speed", "check", "repeat", "native", "tp", "profile"])
     ap.add_argument("--tp", type=int, default=2, help="tp: tensor parallel size (GPUs)")
     ap.add_argument("--version", default="0.5.12.post1")
     ap.add_argument("--threshold", type=int, default=8,
@@ -781,7 +933,8 @@ def main():
     say("gpu: " + subprocess.run(["nvidia-smi", "--query-gpu=name,memory.used,memory.total,driver_version",
                                   "--format=csv,noheader"], text=True, capture_output=True).stdout.strip())
     try:
-        {"speed": phase_speed, "check": phase_check, "repeat": phase_repeat, "native": phase_native, "tp": phase_tp}[a.phase](a)
+        {"speed": phase_speed, "check": phase_check, "repeat": phase_repeat, "native": phase_native, "tp": phase_tp,
+         "profile": phase_profile}[a.phase](a)
     finally:
         say(f"phase {a.phase} {a.version} done in {time.time() - T0:.0f}s")
         finish(a.phase, a.version)

@@ -1,0 +1,101 @@
+#!/usr/bin/env python3
+"""Where a decode step's CPU time goes: py-spy's raw (folded) samples of a scheduler, per step.
+
+The profile phase (`device/phase.py profile`, `PYSPY_LEVELS`) samples the scheduler process of each
+server at 1 kHz for one second while a fixed batch decodes, and records how many decode steps ran
+meanwhile. Samples are CPU time (py-spy leaves out a thread's idle samples, so time blocked in a
+synchronisation is not counted). This script turns a run's `pyspy-<label>-c<N>.txt` files into
+microseconds of CPU per decode step:
+
+  pyspy_summary.py RESULTS_DIR [--base nospec] [--top 18] [--json OUT]
+
+- `inclusive`: per function (`Class.method (file)`), the CPU time of the samples with it on the stack;
+- `self`: the leaf frames' time;
+- for every label against `--base`: the inclusive functions whose time differs most.
+"""
+import argparse
+import glob
+import json
+import os
+import re
+from collections import defaultdict
+
+RATE_HZ = 1000
+
+
+def frames(stack):
+    """'a (f.py:1);b (g.py:2)' -> ['a (f.py)', 'b (g.py)'] (line numbers dropped so a function is one row)."""
+    return [re.sub(r":\d+\)$", ")", f) for f in stack.split(";") if f]
+
+
+def load(path):
+    samples = []
+    for line in open(path, errors="replace"):
+        stack, _, count = line.rstrip("\n").rpartition(" ")
+        if stack and count.isdigit():
+            samples.append((frames(stack), int(count)))
+    return samples
+
+
+def per_step(samples, steps):
+    us = 1e6 / RATE_HZ / max(1, steps)
+    incl, leaf = defaultdict(float), defaultdict(float)
+    total = 0
+    for fr, n in samples:
+        total += n
+        for f in set(fr):
+            incl[f] += n * us
+        if fr:
+            leaf[fr[-1]] += n * us
+    return {"cpu_us_per_step": round(total * us, 1), "inclusive": dict(incl), "self": dict(leaf)}
+
+
+def rounded(table, top):
+    return {k: round(v, 1) for k, v in sorted(table.items(), key=lambda kv: -kv[1])[:top]}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("results")
+    ap.add_argument("--base", default="nospec")
+    ap.add_argument("--top", type=int, default=18)
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    steps = {}
+    for f in glob.glob(os.path.join(a.results, "steady-*.json")):
+        for row in json.load(open(f)):
+            s = row.get("sampled") or {}
+            if s.get("out"):
+                steps[os.path.basename(s["out"])] = s["steps"]
+    out = {}
+    for path in sorted(glob.glob(os.path.join(a.results, "pyspy-*-c*.txt"))):
+        name = os.path.basename(path)
+        label, c = re.match(r"pyspy-(.+)-c(\d+)\.txt$", name).groups()
+        prof = per_step(load(path), steps.get(name, 0))
+        prof["steps_sampled"] = steps.get(name, 0)
+        out.setdefault(c, {})[label] = prof
+    report = {}
+    for c, labels in sorted(out.items(), key=lambda kv: int(kv[0])):
+        base = labels.get(a.base)
+        level = {}
+        for label, prof in labels.items():
+            row = {"cpu_us_per_step": prof["cpu_us_per_step"], "steps_sampled": prof["steps_sampled"],
+                   "inclusive": rounded(prof["inclusive"], a.top), "self": rounded(prof["self"], a.top)}
+            if base is not None and label != a.base:
+                names = set(prof["inclusive"]) | set(base["inclusive"])
+                d = {n: prof["inclusive"].get(n, 0.0) - base["inclusive"].get(n, 0.0) for n in names}
+                row["vs_" + a.base] = {k: round(v, 1) for k, v in sorted(d.items(), key=lambda kv: -abs(kv[1]))[:a.top]}
+            level[label] = row
+        report["c" + c] = level
+    text = json.dumps(report, indent=1)
+    if a.json:
+        open(a.json, "w").write(text + "\n")
+    for c, level in report.items():
+        for label, row in level.items():
+            print(f"{c} {label}: {row['cpu_us_per_step']} us of scheduler CPU per step ({row['steps_sampled']} steps)")
+            for k, v in list(row.get("vs_" + a.base, {}).items())[:10]:
+                print(f"    {v:+8.1f} us  {k}")
+
+
+if __name__ == "__main__":
+    main()

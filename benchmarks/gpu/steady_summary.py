@@ -1,0 +1,64 @@
+#!/usr/bin/env python3
+"""Step cost at fixed batch sizes: the profile phase's `steady-<label>.json` rows of one or more calls
+-> one results file with the `summary` shape of the sweep results plus `step_ms` per mode.
+
+  steady_summary.py RUN_DIR [RUN_DIR ...] --version V --model hidden=2048,layers=24,params_b=1.2 --out F
+
+Each RUN_DIR is one call (its modes were measured level by level in turn, on the same minutes of the
+machine); a mode measured in several calls keeps each call's row, and `summary` gives per level the
+mean step time, its spread across the calls and windows ((max - min) / mean, percent), and the ratio
+to the no-spec server's mean step time at that level.
+"""
+import argparse
+import glob
+import json
+import os
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("runs", nargs="+")
+    ap.add_argument("--version", required=True)
+    ap.add_argument("--model", required=True, help="k=v,... (hidden, layers, heads, kv_heads, inter, params_b)")
+    ap.add_argument("--base", default="nospec")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    model = {}
+    for kv in a.model.split(","):
+        k, _, v = kv.partition("=")
+        model[k] = float(v) if "." in v else int(v)
+    rows = {}
+    for run in a.runs:
+        for path in sorted(glob.glob(os.path.join(run, "steady-*.json"))):
+            label = os.path.basename(path)[len("steady-"):-len(".json")]
+            for r in json.load(open(path)):
+                r["run"] = os.path.basename(os.path.normpath(run))
+                rows.setdefault(label, []).append(r)
+    levels = sorted({r["concurrency"] for rs in rows.values() for r in rs})
+
+    def at(label, c):
+        windows = [w for r in rows.get(label, []) if r["concurrency"] == c for w in r.get("step_ms_windows") or []]
+        means = [r["step_ms"] for r in rows.get(label, []) if r["concurrency"] == c and r.get("step_ms")]
+        return windows, means
+
+    step_ms, spread, ratio = {}, {}, {}
+    for label in sorted(rows):
+        step_ms[label], spread[label], ratio[label] = [], [], []
+        for c in levels:
+            windows, means = at(label, c)
+            mean = sum(means) / len(means) if means else None
+            step_ms[label].append(round(mean, 3) if mean else None)
+            spread[label].append(round(100 * (max(windows) - min(windows)) / mean, 1) if windows and mean else None)
+            _, base = at(a.base, c)
+            ratio[label].append(round(mean / (sum(base) / len(base)), 3) if mean and base else None)
+    summary = {"levels": levels, "step_ms": step_ms, "step_spread_pct": spread, "step_ratio_vs_" + a.base: ratio,
+               "model": model, "method": "steady: c requests decoding together, no prefill in the window; "
+                                         "step = window / sglang:cuda_graph_passes_total delta"}
+    json.dump({"version": a.version, "runs": [os.path.basename(os.path.normpath(r)) for r in a.runs],
+               "summary": summary, "rows": rows}, open(a.out, "w"), indent=1)
+    for label in sorted(rows):
+        print(f"{label:16s} " + " ".join(f"c{c}={m}({x})" for c, m, x in zip(levels, step_ms[label], ratio[label])))
+
+
+if __name__ == "__main__":
+    main()
