@@ -162,6 +162,25 @@ def test_another_users_server_is_never_taken_over_only_stop_pid_stops_it(box: Bo
     assert result["stopped"] and op.wait(10) == 0
 
 
+def test_a_pidfile_naming_another_users_process_never_makes_it_ours(box: Box, tmp_path: Path):
+    """A server.json that names another uid's launcher (its real pid, start time and argv) does not make it
+    ours: stop refuses it and signals nothing."""
+    if os.geteuid() != 0:
+        pytest.skip("starting a process as another uid needs root")
+    op = spawn_standin(box.spawn, box.port, tmp_path / "nobody-cwd", user=NOBODY)
+    box.workdir.mkdir(parents=True, exist_ok=True)
+    record = {"pid": op.pid, "pid_start": psutil.Process(op.pid).create_time() and
+              int(open(f"/proc/{op.pid}/stat").read().rsplit(")", 1)[1].split()[19]),
+              "argv": standin_argv(box.port), "port": box.port, "marker": None}
+    (box.workdir / "server.json").write_text(json.dumps(record))
+    (box.workdir / "server.json").chmod(0o600)
+    state = lifecycle.find_server(box.agent)
+    assert state.pid is None and "runs as nobody" in state.pidfile
+    with pytest.raises(PreflightError, match=f"pid {op.pid}.*runs as nobody"):
+        lifecycle.stop(box.agent, grace=5)
+    assert alive(op.pid) and op.pid not in signals_sent(box.workdir)
+
+
 def test_a_refused_start_after_the_stop_never_claims_nothing_was_killed(box: Box, tmp_path: Path):
     """Our server, on SIGTERM, leaves a launcher for the port behind that dynctl did not start; the rollback's
     start is refused after dynctl stopped the server: the message must say the rollback failed and what it
@@ -315,3 +334,41 @@ def test_the_demo_leaves_the_operators_server_alone_and_takes_a_free_port(tmp_pa
         assert op.poll() is None and op.pid not in signals_sent(workdir)
     finally:
         run("stop", "--host", "demo", "--yes", "--grace", "5")
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed (apt-get install tmux)")
+def test_on_a_terminal_the_prompt_names_the_takeover_and_only_yes_takes_it_over(demo_box, tmp_path, spawned):
+    config = demo_box(via="local")
+    op = _standin_on(config, tmp_path, spawned)
+    port = session(config).host.port
+    env = dict(os.environ, TMUX_TMPDIR=str(tmp_path), TERM="xterm-256color")
+    name = "dynctl-takeover"
+
+    def screen() -> str:
+        return subprocess.run(["tmux", "capture-pane", "-p", "-J", "-t", name], capture_output=True, text=True,
+                              env=env).stdout
+
+    def run(answers: list[str]) -> str:
+        command = f"{sys.executable} -m dynctl restart --grace 10 --config {config}; echo EXITED-$?; sleep 600"
+        subprocess.run(["tmux", "new-session", "-d", "-s", name, "-x", "200", "-y", "50", command], check=True,
+                       env=env)
+        try:
+            for answer in answers:
+                wait_for(lambda: screen().rstrip().endswith("[y/N]:"), 60, what="a prompt")
+                text = screen()
+                subprocess.run(["tmux", "send-keys", "-t", name, answer, "Enter"], check=True, env=env)
+                wait_for(lambda: screen() != text, 10, what="the answer to be read")
+            return wait_for(lambda: "EXITED-" in screen() and screen(), 120, what="dynctl to exit")
+        finally:
+            subprocess.run(["tmux", "kill-session", "-t", name], env=env, capture_output=True)
+
+    declined = " ".join(run(["n"]).split())
+    assert f"Take over pid {op.pid} on box, which was not started by dynctl?" in declined
+    assert "EXITED-3" in declined and "--adopt" in declined
+    assert op.poll() is None and not server_pid(config)
+
+    accepted = " ".join(run(["y", "y"]).split())
+    assert "EXITED-0" in accepted, accepted
+    assert op.wait(30) == 0
+    restored = psutil.Process(server_pid(config))
+    assert restored.cmdline() == standin_argv(port) and restored.environ()["OPERATOR_TOKEN"] == SECRET
