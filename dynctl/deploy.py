@@ -62,9 +62,8 @@ class DeployPlan:
         op = self.operator
         if not op:
             return None
-        from dynctl.events import one_line
-
-        return (f"pid {op['pid']} on the port was not started by dynctl: {one_line(op.get('cmdline'), 300)}; argv "
+        cmdline = events.one_line(op.get("cmdline"), 300)
+        return (f"pid {op['pid']} on the port was not started by dynctl: {cmdline}; argv "
                 f"against the launch argv below: {op.get('argv_diff') or '?'}")
 
 

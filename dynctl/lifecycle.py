@@ -89,7 +89,7 @@ class ServerState:
     state: str
     port: int
     pid: int | None = None
-    source: str | None = None  # pidfile / port / cmdline
+    source: str | None = None  # pidfile (the only server that is ours)
     argv: tuple[str, ...] = ()
     uptime_s: float | None = None
     started: str | None = None
@@ -244,7 +244,8 @@ def start(agent: AgentClient, host: HostConfig, ready_timeout: float = 900.0, on
 
 
 def restart(agent: AgentClient, host: HostConfig, grace: float = 60.0, ready_timeout: float = 900.0,
-            on_event: EventSink = events.ignore, confirm: Confirm = proceed, adopt: Adopt = never_adopt) -> dict[str, Any]:
+            on_event: EventSink = events.ignore, confirm: Confirm = proceed,
+            adopt: Adopt = never_adopt) -> dict[str, Any]:
     """`dynctl restart` and the TUI's `R`: the launch argv of the release in force, else the baseline (an
     adopted launch, else the configured one). The operator's server (not started by dynctl) is restarted only
     on the operator's word (`adopt`), which adopts it first: with no release in force it comes back as it was."""

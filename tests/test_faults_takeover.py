@@ -26,10 +26,11 @@ from pathlib import Path
 import psutil
 import pytest
 
+from dynctl import deploy as core
 from dynctl import lifecycle
 from dynctl.agent import AgentError
-from dynctl.errors import PreflightError
-from lifecycle_harness import SHIM, Box, alive, box, listening, make_box, wait_for  # noqa: F401 - box is a fixture
+from dynctl.errors import OperationFailed, PreflightError
+from lifecycle_harness import SHIM, Box, alive, box, listening, wait_for  # noqa: F401 - box is a fixture
 from sshd_harness import free_port
 from demo_box import dynctl, server_pid, session, tree_sha256
 
@@ -169,9 +170,8 @@ def test_a_pidfile_naming_another_users_process_never_makes_it_ours(box: Box, tm
         pytest.skip("starting a process as another uid needs root")
     op = spawn_standin(box.spawn, box.port, tmp_path / "nobody-cwd", user=NOBODY)
     box.workdir.mkdir(parents=True, exist_ok=True)
-    record = {"pid": op.pid, "pid_start": psutil.Process(op.pid).create_time() and
-              int(open(f"/proc/{op.pid}/stat").read().rsplit(")", 1)[1].split()[19]),
-              "argv": standin_argv(box.port), "port": box.port, "marker": None}
+    start = int(Path(f"/proc/{op.pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    record = {"pid": op.pid, "pid_start": start, "argv": standin_argv(box.port), "port": box.port, "marker": None}
     (box.workdir / "server.json").write_text(json.dumps(record))
     (box.workdir / "server.json").chmod(0o600)
     state = lifecycle.find_server(box.agent)
@@ -212,9 +212,7 @@ def test_a_refused_start_after_the_stop_never_claims_nothing_was_killed(box: Box
     box.remember_server()
     lifecycle.wait_ready(box.agent, 60)
     try:
-        with pytest.raises(lifecycle.OperationFailed) as err:
-            from dynctl import deploy as core
-
+        with pytest.raises(OperationFailed) as err:
             core.rollback(box.agent, box.host, to="baseline", grace=10, ready_timeout=30)
         message = str(err.value)
         assert err.value.exit_code == 1

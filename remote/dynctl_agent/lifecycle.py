@@ -44,8 +44,8 @@ def _resolve_launch(ctx, argv, release, baseline_argv, adopting=None):
     adopted = adopting or releases.adopted(ctx)
     if adopted is not None:
         launch = {"env": dict(adopted.get("env") or {}), "cwd": adopted.get("cwd"), "adopted": adopted.get("pid")}
-        return (list(adopted["argv"]), None, "the adopted launch of pid %s, the baseline (%s)" % (adopted.get("pid"), why),
-                launch)
+        how = "the adopted launch of pid %s, the baseline (%s)" % (adopted.get("pid"), why)
+        return list(adopted["argv"]), None, how, launch
     if baseline_argv:
         return list(baseline_argv), None, "the configured launch argv (%s)" % why, None
     return None, release, None, None
