@@ -370,3 +370,25 @@ def test_on_a_terminal_the_prompt_names_the_takeover_and_only_yes_takes_it_over(
     assert op.wait(30) == 0
     restored = psutil.Process(server_pid(config))
     assert restored.cmdline() == standin_argv(port) and restored.environ()["OPERATOR_TOKEN"] == SECRET
+
+
+def test_rollback_and_stop_take_it_over_only_with_adopt(demo_box, tmp_path, spawned):
+    config = demo_box(via="local")
+    port = session(config).host.port
+    op = _standin_on(config, tmp_path, spawned)
+    before = tree_sha256(config)
+    res = dynctl("rollback", "--yes", "--adopt", config=config)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert op.wait(30) == 0
+    pid = server_pid(config)
+    assert psutil.Process(pid).cmdline() == standin_argv(port) and tree_sha256(config) == before
+
+    # the restored launch is ours now: a plain stop stops it; a second hand-started one needs --adopt again
+    assert dynctl("stop", "--yes", config=config).returncode == 0 and not alive(pid)
+    second = _standin_on(config, tmp_path / "2", spawned)
+    refused = dynctl("stop", "--yes", config=config)
+    assert refused.returncode == 3 and f"pid {second.pid}, not started by dynctl" in " ".join(refused.stderr.split())
+    assert second.poll() is None
+    taken = dynctl("stop", "--yes", "--adopt", config=config)
+    assert taken.returncode == 0, taken.stdout + taken.stderr
+    assert second.wait(30) == 0
