@@ -8,6 +8,7 @@ the real deploy path, then drive 1 → 64 → 1 concurrent streams so speculatio
 from __future__ import annotations
 
 import os
+import socket
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ from dynctl import events
 from dynctl.agent import AgentClient
 from dynctl.config import Config, HostConfig, find_config_path, load_config, user_config_path
 from dynctl.errors import ConfigError
-from dynctl.lifecycle import restart_server, server_argv
+from dynctl.lifecycle import find_server, restart_server, server_argv
 from dynctl.transport import connect
 
 DEMO_HOST = "demo"
@@ -97,10 +98,48 @@ def prepare(config_path: str | None = None, root: Path | None = None, port: int 
     on_event(events.StepStarted("prepare", f"simulated GPU host in {root} (sglang 0.5.9 from PyPI)"))
     entry = prepare_demo_host(root, port=port, time_scale=time_scale)
     path = register_demo_host(entry, config_path)
-    on_event(events.StepDone("prepare", 0.0, f"registered as host '{DEMO_HOST}' in {path}"))
     cfg = load_config(path)
     host = cfg.host(DEMO_HOST)
-    return DemoHost(cfg, host, AgentClient(connect(host, cfg), host), path)
+    agent = AgentClient(connect(host, cfg), host)
+    taken = port_taken(agent, port)
+    if taken is not None:
+        entry["port"] = free_port()
+        path = register_demo_host(entry, config_path)
+        cfg = load_config(path)
+        host = cfg.host(DEMO_HOST)
+        agent = AgentClient(connect(host, cfg), host)
+        on_event(events.Warning(f"port {port} is taken by {taken}, which the demo did not start: the demo leaves "
+                                f"it alone and uses port {entry['port']} instead"))
+    on_event(events.StepDone("prepare", 0.0, f"registered as host '{DEMO_HOST}' (port {entry['port']}) in {path}"))
+    return DemoHost(cfg, host, agent, path)
+
+
+def port_taken(agent: AgentClient, port: int) -> str | None:
+    """What holds `port` that is not the demo's own server (ours by its pidfile in the demo's workdir), in
+    words; None when the port is free or held by the demo's own server. The demo never signals anything else."""
+    state = find_server(agent)
+    if state.not_ours:
+        return str(state.not_ours.get("text") or f"pid {state.not_ours.get('pid')}")
+    if state.pid is None and not _bindable(port):
+        return "a process the demo cannot see"
+    return None
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing holds now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def deploy_threshold(demo: DemoHost, threshold: int = 5, on_event: events.EventSink = events.ignore) -> dict:

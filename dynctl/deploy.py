@@ -13,7 +13,7 @@ from dynctl import events, operations, sglang
 from dynctl.agent import AgentClient
 from dynctl.config import HostConfig
 from dynctl.errors import PreflightError
-from dynctl.lifecycle import Confirm, proceed, server_argv
+from dynctl.lifecycle import Adopt, Confirm, find_server, never_adopt, operator_server, proceed, server_argv, takeover
 from dynctl.native import plan_native
 from dynctl.patching import parse_threshold, plan_patch, strategy_for
 from dynctl.patching.host import patch_state_from, plan_for_apply, read_patch_state
@@ -40,13 +40,31 @@ class DeployPlan:
     warnings: list[str] = field(default_factory=list)
     patch_detail: str = ""
     noop: str | None = None  # why nothing needs doing, when that is so
+    # the operator's server on the port, not started by dynctl: {"pid", "start", "cmdline", "argv_diff", ...}
+    operator: dict[str, Any] | None = None
+    adopt: dict[str, Any] | None = None  # the operator's word to take it over, pinned: {"pid", "start"}
 
     def to_json(self) -> dict[str, Any]:
+        operator = None
+        if self.operator:
+            operator = {"pid": self.operator["pid"], "started_by_dynctl": False, "cmdline": self.operator["cmdline"],
+                        "argv_diff": self.operator.get("argv_diff"), "owner": self.operator.get("owner"),
+                        "adoptable": self.operator.get("adoptable")}
         return {
             "host": self.host.name, "sglang_version": self.sglang_version, "strategy": self.strategy,
             "threshold": self.threshold, "files": [f["path"] for f in self.files], "launch_argv": self.launch_argv,
             "artifacts": self.artifacts, "warnings": self.warnings, "patch": self.patch_detail, "noop": self.noop,
+            "operator_server": operator,
         }
+
+    def operator_line(self) -> str | None:
+        """The operator's server in words, for the plan and the dry run; None when there is none."""
+        op = self.operator
+        if not op:
+            return None
+        cmdline = events.one_line(op.get("cmdline"), 300)
+        return (f"pid {op['pid']} on the port was not started by dynctl: {cmdline}; argv "
+                f"against the launch argv below: {op.get('argv_diff') or '?'}")
 
 
 def plan_deploy(agent: AgentClient, host: HostConfig, threshold: Any) -> DeployPlan:
@@ -78,9 +96,28 @@ def plan_deploy(agent: AgentClient, host: HostConfig, threshold: Any) -> DeployP
         dplan = DeployPlan(host, state.version, strategy, threshold, [], diff, argv, baseline, artifacts,
                            list(native.warnings), patch_detail=state.detail)
     dplan.noop = _already_deployed(dplan, state.release, context["info"])
-    if context.get("not_ours") and not dplan.noop:
+    operator = context.get("operator")
+    if operator:
+        dplan.operator = dict(operator, argv_diff=_argv_diff(operator.get("cmdline") or [], argv))
+        how = ("the deploy takes it over only on the operator's word (the takeover prompt, or --adopt)"
+               if operator.get("adoptable") else f"it runs as {operator.get('owner')}, so dynctl never takes it over")
+        dplan.warnings.append(f"{dplan.operator_line()}: {how}")
+    elif context.get("not_ours") and not dplan.noop:
         dplan.warnings.append(f"{context['not_ours']}: the deploy will be refused (exit 3) while it is there")
     return dplan
+
+
+def _argv_diff(running: list[str], wanted: list[str]) -> str:
+    """What differs between two argv: "-`--tp 8` +`--tp 4`" (- only in the running one, + only in `wanted`)."""
+    import difflib
+
+    parts = []
+    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, running, wanted, autojunk=False).get_opcodes():
+        if tag in ("replace", "delete"):
+            parts.append("-`" + " ".join(running[i1:i2]) + "`")
+        if tag in ("replace", "insert"):
+            parts.append("+`" + " ".join(wanted[j1:j2]) + "`")
+    return " ".join(parts) or "none"
 
 
 def refuse_if_busy(agent: AgentClient) -> None:
@@ -121,8 +158,12 @@ class DeployOutcome:
 
 def deploy_threshold(agent: AgentClient, host: HostConfig, threshold: Any, on_event: events.EventSink = events.ignore,
                      confirm: Confirm = proceed, *, dry_run: bool = False, grace: float = 60.0,
-                     ready_timeout: float = 900.0, soak: float = DEFAULT_SOAK_S) -> DeployOutcome:
-    """`dynctl deploy` and the TUI's `d`: plan, warn, stop at a dry run or at nothing to do, confirm, deploy."""
+                     ready_timeout: float = 900.0, soak: float = DEFAULT_SOAK_S,
+                     adopt: Adopt = never_adopt) -> DeployOutcome:
+    """`dynctl deploy` and the TUI's `d`: plan, warn, stop at a dry run or at nothing to do, confirm, deploy.
+
+    The operator's server on the port (not started by dynctl) is taken over only on the operator's word for
+    it (`adopt`); without it the deploy is refused before anything changes (exit 3)."""
     plan = plan_deploy(agent, host, threshold)
     for warning in plan.warnings:
         on_event(events.Warning(warning))
@@ -131,7 +172,10 @@ def deploy_threshold(agent: AgentClient, host: HostConfig, threshold: Any, on_ev
     if plan.noop:
         on_event(events.Unchanged("deploy", plan.noop))
         return DeployOutcome(plan)
-    confirm(f"Deploy threshold {plan.threshold} to {host.name} ({host.route}), restarting its server?")
+    plan.adopt = takeover(host.name, "deploy", plan.operator, adopt)
+    running = (f", taking over pid {plan.operator['pid']} (not started by dynctl) and restarting it with the launch "
+               f"argv above" if plan.adopt else ", restarting its server")
+    confirm(f"Deploy threshold {plan.threshold} to {host.name} ({host.route}){running}?")
     return DeployOutcome(plan, deploy(agent, plan, on_event, grace=grace, ready_timeout=ready_timeout, soak=soak))
 
 
@@ -143,18 +187,27 @@ def deploy(agent: AgentClient, dplan: DeployPlan, on_event: events.EventSink = e
         "threshold": dplan.threshold, "launch_argv": dplan.launch_argv, "baseline_argv": dplan.baseline_argv,
         "artifacts": dplan.artifacts, "grace": grace, "ready_timeout": ready_timeout, "soak": soak,
     }
+    if dplan.adopt is not None:
+        params["adopt"] = dplan.adopt
     return operations.execute(agent, "deploy", params, on_event)
 
 
 def rollback(agent: AgentClient, host: HostConfig, to: str | None = None,
              on_event: events.EventSink = events.ignore, grace: float = 60.0,
-             ready_timeout: float = 900.0, soak: float = DEFAULT_SOAK_S, confirm: Confirm = proceed) -> dict[str, Any]:
+             ready_timeout: float = 900.0, soak: float = DEFAULT_SOAK_S, confirm: Confirm = proceed,
+             adopt: Adopt = never_adopt) -> dict[str, Any]:
     """`dynctl rollback` and the TUI's `r`: back to `to` (default: the previous release), restarted with the
-    launch argv recorded in it."""
+    launch argv recorded in it (baseline: the adopted launch, else the configured one). The operator's server
+    on the port is taken over only on the operator's word (`adopt`)."""
     refuse_if_busy(agent)
-    confirm(f"Roll {host.name} back to {to or 'the previous release'}, restarting its server?")
+    state = find_server(agent)
+    pinned = takeover(host.name, "rollback", operator_server(state.not_ours) if state.pid is None else None, adopt)
+    running = f", taking over pid {pinned['pid']} (not started by dynctl)" if pinned else ", restarting its server"
+    confirm(f"Roll {host.name} back to {to or 'the previous release'}{running}?")
     params = {"baseline_argv": server_argv(host), "to": to, "grace": grace, "ready_timeout": ready_timeout,
               "soak": soak}
+    if pinned is not None:
+        params["adopt"] = pinned
     return operations.execute(agent, "rollback", params, on_event)
 
 

@@ -34,6 +34,44 @@ def proceed(question: str) -> None:
     """The Confirm of a view that asked before it called (the TUI's dialogs), or of a caller that needs none."""
 
 
+Adopt = Callable[[str], bool]  # asks whether to take over the operator's server; True only on the operator's word
+
+
+def never_adopt(question: str) -> bool:
+    """The Adopt of a caller that has no word from the operator for a takeover: the operator's server is refused."""
+    return False
+
+
+def operator_server(not_ours: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The operator's server (listening on the port, not started by dynctl) the host named, or None."""
+    return not_ours if not_ours and not_ours.get("kind") == "operator" else None
+
+
+def takeover(host: str, action: str, operator: dict[str, Any] | None, adopt: Adopt) -> dict[str, Any] | None:
+    """The operator's word to take over their server, pinned to the process they were shown ({"pid", "start"}
+    for the host, which checks it is still that process); None when no such server runs. Without the word, or
+    for another user's server, a refusal (exit 3) that names it and says how to take it over."""
+    if operator is None:
+        return None
+    pid = operator["pid"]
+    what = f"pid {pid}, not started by dynctl ({events.one_line(operator.get('cmdline'), 200)})"
+    if not operator.get("adoptable"):
+        raise PreflightError(f"{host}: {action} refused: port is served by {what}, which runs as "
+                             f"{operator.get('owner')}: dynctl never takes over another user's server, not even "
+                             f"with --adopt; nothing was changed and nothing was killed -- stop it yourself, or "
+                             f"name it with `dynctl stop --pid {pid}`")
+    question = (f"Take over pid {pid} on {host}, which was not started by dynctl? It runs "
+                f"{events.one_line(operator.get('cmdline'), 200)} (argv against what dynctl would run: "
+                f"{operator.get('argv_diff') or '?'}). dynctl will stop it; its argv, environment and cwd become the "
+                f"baseline release, which `dynctl rollback --to baseline` restarts as it was")
+    if not adopt(question):
+        raise PreflightError(f"{host}: {action} refused: the server on the port is {what}; nothing was changed "
+                             f"and nothing was killed -- to take it over (its argv, environment and cwd become "
+                             f"the baseline release), answer the takeover prompt on a terminal or add --adopt; "
+                             f"--yes alone never takes over a server")
+    return {"pid": pid, "start": operator["start"]}
+
+
 class ServerStartFailed(OperationFailed):
     """The server did not become ready: it crashed, logged a Traceback, or timed out."""
 
@@ -51,7 +89,7 @@ class ServerState:
     state: str
     port: int
     pid: int | None = None
-    source: str | None = None  # pidfile / port / cmdline
+    source: str | None = None  # pidfile (the only server that is ours)
     argv: tuple[str, ...] = ()
     uptime_s: float | None = None
     started: str | None = None
@@ -65,6 +103,7 @@ class ServerState:
     unmanaged: tuple[dict[str, Any], ...] = field(default=())
     not_ours: dict[str, Any] | None = None  # what is in the server's way and not ours, with the agent's words
     in_force: dict[str, Any] | None = None  # {"release", "argv"} of the release in force: what start runs
+    adopted: dict[str, Any] | None = None  # the adopted baseline: {"pid", "argv", "cwd", "env_keys", ...}
 
     @classmethod
     def from_agent(cls, raw: dict[str, Any]) -> ServerState:
@@ -74,6 +113,7 @@ class ServerState:
             release=raw.get("release"), health=raw.get("health"), pidfile=raw.get("pidfile") or "absent",
             log=raw.get("log"), port_owner=raw.get("port_owner"), leftovers=tuple(raw.get("leftovers") or ()),
             unmanaged=tuple(raw.get("unmanaged") or ()), not_ours=raw.get("not_ours"), in_force=raw.get("in_force"),
+            adopted=raw.get("adopted"),
         )
 
     @property
@@ -96,6 +136,9 @@ def launch_in_force(state: ServerState, host: HostConfig) -> tuple[list[str], st
     if in_force.get("argv"):
         return list(in_force["argv"]), f"the launch argv of release {in_force['release']}"
     why = f"release {in_force['release']} records none" if in_force else "no release in force"
+    if state.adopted and state.adopted.get("argv"):
+        return (list(state.adopted["argv"]),
+                f"the adopted launch of pid {state.adopted.get('pid')}, the baseline ({why})")
     return server_argv(host), f"the configured launch argv ({why})"
 
 
@@ -125,11 +168,20 @@ def describe(state: ServerState) -> str:
 
 
 def stop(agent: AgentClient, grace: float = 60.0, on_event: EventSink = events.ignore, confirm: Confirm = proceed,
-         pid: int | None = None) -> dict[str, Any]:
-    """`dynctl stop [--pid N]` and the TUI's `s`: nothing to stop is not an error; a launcher dynctl did not
-    start is refused (exit 3) unless the operator names it by pid."""
+         pid: int | None = None, adopt: Adopt = never_adopt) -> dict[str, Any]:
+    """`dynctl stop [--pid N] [--adopt]` and the TUI's `s`: nothing to stop is not an error; a launcher dynctl
+    did not start is refused (exit 3) unless the operator names it by pid, or takes the operator's listening
+    server over (`adopt`: its launch becomes the baseline release first)."""
     name = agent.host.name
     state = find_server(agent)
+    operator = operator_server(state.not_ours)
+    if pid is None and state.pid is None and operator is not None:
+        pinned = takeover(name, "stop", operator, adopt)
+        what = f"pid {operator['pid']}, not started by dynctl, taken over"
+        confirm(f"Stop the server on {name} ({what})?")
+        result = stop_server(agent, grace, on_event, adopt=pinned)
+        on_event(_stopped(name, what, result))
+        return result
     if pid is not None:
         target = named_process(state, pid)
         started = "started" if pid == state.pid and state.source == "pidfile" else "did not start"
@@ -140,7 +192,7 @@ def stop(agent: AgentClient, grace: float = 60.0, on_event: EventSink = events.i
         return result
     if state.pid is None and not state.leftovers:
         not_ours = state.not_ours or {}
-        if not_ours.get("kind") == "unmanaged":  # it looks like the server: refuse, name it, say how to override
+        if not_ours.get("kind") in ("unmanaged", "operator"):  # it looks like the server: refuse, name it, say how
             raise PreflightError(f"{name}: no server started by dynctl is running, and {not_ours['text']}: "
                                  f"nothing was signalled -- {not_ours.get('hint', '')}")
         note = f"; {not_ours['text']} (left alone)" if not_ours else ""
@@ -164,10 +216,11 @@ def named_process(state: ServerState, pid: int) -> dict[str, Any]:
     launcher for this port that dynctl did not start qualify."""
     if pid == state.pid:
         return {"pid": pid, "cmdline": list(state.argv)}
-    for proc in (*state.unmanaged, *state.leftovers):
+    operator = [operator_server(state.not_ours)] if operator_server(state.not_ours) else []
+    for proc in (*operator, *state.unmanaged, *state.leftovers):
         if proc.get("pid") == pid:
             return proc
-    known = [f"{p['pid']} ({events.one_line(p.get('cmdline'), 120) or '?'})" for p in state.unmanaged]
+    known = [f"{p['pid']} ({events.one_line(p.get('cmdline'), 120) or '?'})" for p in (*operator, *state.unmanaged)]
     if state.pid is not None:
         known.insert(0, f"{state.pid} (the server)")
     raise PreflightError(f"pid {pid} is not an sglang server for port {state.port} on this host "
@@ -191,21 +244,29 @@ def start(agent: AgentClient, host: HostConfig, ready_timeout: float = 900.0, on
 
 
 def restart(agent: AgentClient, host: HostConfig, grace: float = 60.0, ready_timeout: float = 900.0,
-            on_event: EventSink = events.ignore, confirm: Confirm = proceed) -> dict[str, Any]:
-    """`dynctl restart` and the TUI's `R`: the launch argv of the release in force, else the configured one,
-    whoever started the server that runs now."""
+            on_event: EventSink = events.ignore, confirm: Confirm = proceed,
+            adopt: Adopt = never_adopt) -> dict[str, Any]:
+    """`dynctl restart` and the TUI's `R`: the launch argv of the release in force, else the baseline (an
+    adopted launch, else the configured one). The operator's server (not started by dynctl) is restarted only
+    on the operator's word (`adopt`), which adopts it first: with no release in force it comes back as it was."""
     state = find_server(agent)
+    operator = operator_server(state.not_ours) if state.pid is None else None
+    pinned = takeover(host.name, "restart", operator, adopt)
     argv, how = launch_in_force(state, host)
-    confirm(f"Restart the server on {host.name} ({describe(state)}) with {how}: {' '.join(argv)}?")
+    if pinned is not None and not (state.in_force or {}).get("argv"):
+        argv, how = list(operator["cmdline"]), f"its own launch (pid {operator['pid']}, adopted as the baseline)"
+    running = describe(state) if pinned is None else f"pid {operator['pid']}, not started by dynctl, taken over"
+    confirm(f"Restart the server on {host.name} ({running}) with {how}: {' '.join(argv)}?")
     return restart_server(agent, None, grace=grace, ready_timeout=ready_timeout, on_event=on_event,
-                          baseline_argv=server_argv(host))
+                          baseline_argv=server_argv(host), adopt=pinned)
 
 
 # --------------------------------------------------------------------------- one agent verb each
 
 
 def stop_server(agent: AgentClient, grace: float = 60.0, on_event: EventSink = events.ignore,
-                pid: int | None = None, pid_start: int | None = None) -> dict[str, Any]:
+                pid: int | None = None, pid_start: int | None = None,
+                adopt: dict[str, Any] | None = None) -> dict[str, Any]:
     """SIGTERM, drain up to `grace`, SIGKILL, sweep the server's tree, wait for port and GPU to be free.
 
     A launcher of an sglang server that dynctl did not start is never signalled unless the operator names
@@ -219,6 +280,8 @@ def stop_server(agent: AgentClient, grace: float = 60.0, on_event: EventSink = e
     params: dict[str, Any] = {"grace": grace, "port_timeout": _STOP_PORT_TIMEOUT_S, "gpu_timeout": _STOP_GPU_TIMEOUT_S}
     if pid is not None:
         params.update(pid=pid, pid_start=pid_start)
+    if adopt is not None:
+        params.update(adopt=adopt)
     with _patience(agent, grace + _STOP_PORT_TIMEOUT_S + _STOP_GPU_TIMEOUT_S + _SLACK_S):
         try:
             result = agent.call_through_drop("server_stop", "stop", **params)
@@ -226,7 +289,7 @@ def stop_server(agent: AgentClient, grace: float = 60.0, on_event: EventSink = e
             on_event(events.Failed("stop", str(err)))
             raise
     not_ours = result.get("not_ours") or {}
-    if not result.get("stopped") and not_ours.get("kind") == "unmanaged":
+    if not result.get("stopped") and not_ours.get("kind") in ("unmanaged", "operator"):
         message = f"{agent.host.name}: {result['message']}"
         on_event(events.Failed("stop", message))
         raise PreflightError(message)
@@ -280,13 +343,18 @@ def wait_ready(agent: AgentClient, ready_timeout: float = 900.0,
 
 def restart_server(agent: AgentClient, argv: Sequence[str] | None = None, env: dict[str, str] | None = None,
                    grace: float = 60.0, ready_timeout: float = 900.0,
-                   on_event: EventSink = events.ignore, baseline_argv: Sequence[str] | None = None) -> dict[str, Any]:
+                   on_event: EventSink = events.ignore, baseline_argv: Sequence[str] | None = None,
+                   adopt: dict[str, Any] | None = None) -> dict[str, Any]:
     """stop → start → wait as ONE operation on the host (a dropped connection cannot leave it between, and
     the client follows it through reconnects).
 
-    argv None: the launch argv of the release in force, else `baseline_argv`, else the last recorded start.
+    argv None: the launch argv of the release in force, else the baseline (an adopted launch, else
+    `baseline_argv`), else the last recorded start. adopt: the operator's word ({"pid", "start"}) to take
+    over their server that runs on the port.
     """
     params: dict[str, Any] = {"grace": grace, "ready_timeout": ready_timeout}
+    if adopt is not None:
+        params["adopt"] = adopt
     if argv is not None:
         params.update(argv=list(argv), env=dict(env or {}))
     elif baseline_argv is not None:

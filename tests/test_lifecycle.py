@@ -15,6 +15,7 @@ import pytest
 
 from dynctl import events, lifecycle
 from dynctl.agent import AgentError
+from dynctl.errors import PreflightError
 from lifecycle_harness import SLEEPER, Box, alive, box, listening, wait_for  # noqa: F401 - box is a fixture
 from sshd_harness import free_port
 
@@ -226,14 +227,18 @@ def test_restart_reuses_the_recorded_arguments_in_one_host_process(box: Box):
     assert [e.step for e in steps(box.events, events.StepDone)][-3:] == ["stop", "start", "ready"]
 
 
-def test_server_started_by_hand_is_found_by_port_and_stopped_with_its_session(box: Box):
+def test_server_started_by_hand_is_the_operators_and_stopped_with_its_session_only_on_their_word(box: Box):
     server = box.spawn_server(box.port, "--children")
-    wait_for(lambda: lifecycle.find_server(box.agent).state == "ready", what="the hand-started server")
+    wait_for(lambda: listening(box.port) and len(psutil.Process(server.pid).children()) >= 2,
+             what="the hand-started server and its children")
     state = lifecycle.find_server(box.agent)
-    assert (state.pid, state.source) == (server.pid, "port")
+    assert state.pid is None and (state.not_ours["kind"], state.not_ours["pid"]) == ("operator", server.pid)
+    with pytest.raises(PreflightError, match=f"pid {server.pid}, not started by dynctl"):
+        lifecycle.stop(box.agent, grace=10)  # no word from the operator: refused, nothing signalled
+    assert alive(server.pid)
     kids = [c.pid for c in psutil.Process(server.pid).children()]
-    result = lifecycle.stop_server(box.agent, grace=10)
-    assert result["source"] == "port"
+    result = lifecycle.stop(box.agent, grace=10, adopt=lambda question: True)
+    assert result["source"] == "operator"
     assert server.wait(10) == 0  # it drained and exited on SIGTERM
     assert not any(alive(p) for p in kids)  # the plain child by the tree, the setsid one by the tree too
 

@@ -75,7 +75,9 @@ async def test_keys_change_the_threshold_and_restart_the_server(demo_box) -> Non
 
 @pytest.mark.asyncio
 async def test_a_hand_started_server_meets_the_same_decisions_from_keys_and_commands(demo_box) -> None:
-    """Restart, start while running and stop while stopped: the key and the command decide and say alike."""
+    """Restart, start while running and stop while stopped: the key and the command decide and say alike. A
+    server started by hand is the operator's: the key and `restart --yes` both refuse it (the key has no word
+    for a takeover); `restart --yes --adopt` takes it over."""
     config = demo_box(via="local")
     host = session(config).host
     env = {**os.environ, **{k: v.replace("${PATH}", os.environ["PATH"]) for k, v in host.env.items()}}
@@ -85,10 +87,17 @@ async def test_a_hand_started_server_meets_the_same_decisions_from_keys_and_comm
         wait_for(lambda: _serves(host.port), 60, "the hand-started server to answer")
         app = dashboard(config)
         async with app.run_test(size=(120, 40)) as pilot:
+            refused_by_key = await press(app, pilot, "R", "y")
+            assert f"restart refused: the server on the port is pid {by_hand.pid}, not started by dynctl" in \
+                refused_by_key and "--adopt" in refused_by_key, refused_by_key
+            refused = dynctl("restart", "--yes", config=config)
+            assert refused.returncode == 3 and f"pid {by_hand.pid}, not started by dynctl" in refused.stderr
+            assert by_hand.poll() is None  # neither touched it
+            taken = outcome(dynctl("restart", "--yes", "--adopt", config=config))
+            assert re.fullmatch(r"restarted the server on box: pid \d+ ready, \d+\.\d s", taken), taken
+            wait_for(lambda: by_hand.poll() is not None, 30, "the hand-started server to exit")
             by_key = await press(app, pilot, "R", "y")
             assert re.fullmatch(r"restarted the server on box: pid \d+ ready \(\d+\.\d s\)", by_key), by_key
-            # the key's restart stopped it: an sglang launcher listening on the host's port is the server
-            wait_for(lambda: by_hand.poll() is not None, 30, "the hand-started server to exit")
             by_command = outcome(dynctl("restart", "--yes", config=config))
             assert re.fullmatch(r"restarted the server on box: pid \d+ ready, \d+\.\d s", by_command), by_command
 

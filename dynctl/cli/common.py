@@ -29,6 +29,9 @@ ConfigOpt = typer.Option(None, "--config", "-c", help="Config file (else $DYNCTL
 JsonOpt = typer.Option(False, "--json", help="Machine-readable output.")
 VerboseOpt = typer.Option(False, "--verbose", "-v", help="Show every server log line while waiting.")
 YesOpt = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation (required when stdin is not a TTY).")
+AdoptOpt = typer.Option(False, "--adopt",
+                        help="Take over the server on the port that dynctl did not start (the operator's): stop it "
+                             "and make its argv, environment and cwd the baseline release. --yes alone never does.")
 
 
 _NEGATIVE_NUMBER = re.compile(r"-\d+(\.\d+)?")
@@ -111,6 +114,19 @@ def confirm(question: str, yes: bool) -> None:
         raise UsageError(f"{question.rstrip('?')}: refusing without --yes (stdin is not a terminal)")
     if not typer.confirm(question, default=False):
         raise typer.Exit(1)
+
+
+def adopt_word(adopt: bool, yes: bool) -> Callable[[str], bool]:
+    """The operator's word for taking over their server: --adopt, else a prompt on a TTY (never --yes)."""
+
+    def ask(question: str) -> bool:
+        if adopt:
+            return True
+        if yes or not sys.stdin.isatty():
+            return False
+        return typer.confirm(question.rstrip("?. ") + "?", default=False)
+
+    return ask
 
 
 def handle_errors(fn: F) -> F:

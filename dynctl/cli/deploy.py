@@ -12,12 +12,14 @@ from rich.table import Table
 
 from dynctl import deploy as core
 from dynctl.cli.common import (
+    AdoptOpt,
     ConfigOpt,
     HostOpt,
     JsonOpt,
     NumbersCommand,
     VerboseOpt,
     YesOpt,
+    adopt_word,
     confirm,
     console,
     handle_errors,
@@ -47,6 +49,7 @@ def deploy(
     config: str = ConfigOpt,
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the diff and the launch argv; change nothing."),
     yes: bool = YesOpt,
+    adopt: bool = AdoptOpt,
     grace: float = GraceOpt,
     ready_timeout: float = ReadyTimeoutOpt,
     soak: float = SoakOpt,
@@ -59,7 +62,7 @@ def deploy(
     t0 = time.monotonic()
     done = core.deploy_threshold(session.agent, session.host, threshold, EventPrinter(quiet=as_json, verbose=verbose),
                                  lambda question: confirm(question, yes), dry_run=dry_run, grace=grace,
-                                 ready_timeout=ready_timeout, soak=soak)
+                                 ready_timeout=ready_timeout, soak=soak, adopt=adopt_word(adopt, yes))
     plan = done.plan
     if dry_run:
         _print_plan(session.host.name, plan, as_json)
@@ -80,6 +83,11 @@ def _print_plan(host: str, plan: core.DeployPlan, as_json: bool) -> None:
     if plan.diff:
         console.print(Syntax(plan.diff, "diff", theme="ansi_dark", word_wrap=True))
     console.print("[bold]launch argv:[/] " + escape(sh_join(plan.launch_argv)), soft_wrap=True)
+    if plan.operator:
+        how = ("a deploy takes it over only with --adopt or at the takeover prompt" if plan.operator.get("adoptable")
+               else f"it runs as {plan.operator.get('owner')}: dynctl never takes it over")
+        console.print(f"[bold yellow]the operator's server:[/] {escape(plan.operator_line() or '')}; {escape(how)}",
+                      soft_wrap=True)
     if plan.noop:
         console.print(f"[green]{escape(plan.noop)}[/]")
     console.print("[dim]dry run: nothing was changed[/]")
@@ -93,6 +101,7 @@ def rollback(
                                               "releases` shows), 'previous' (the default), 'latest' (the one in "
                                               "force) or 'baseline' (no release)."),
     yes: bool = YesOpt,
+    adopt: bool = AdoptOpt,
     grace: float = GraceOpt,
     ready_timeout: float = ReadyTimeoutOpt,
     soak: float = SoakOpt,
@@ -102,7 +111,8 @@ def rollback(
     """Back to the previous release (or --to R) and restart with its recorded launch arguments."""
     session = open_host(host, config)
     result = core.rollback(session.agent, session.host, to, EventPrinter(quiet=as_json, verbose=verbose), grace=grace,
-                           ready_timeout=ready_timeout, soak=soak, confirm=lambda question: confirm(question, yes))
+                           ready_timeout=ready_timeout, soak=soak, confirm=lambda question: confirm(question, yes),
+                           adopt=adopt_word(adopt, yes))
     if as_json:
         console.print_json(json.dumps(result, default=str))
 

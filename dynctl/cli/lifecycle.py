@@ -9,11 +9,13 @@ import typer
 
 from dynctl import lifecycle
 from dynctl.cli.common import (
+    AdoptOpt,
     ConfigOpt,
     HostOpt,
     JsonOpt,
     VerboseOpt,
     YesOpt,
+    adopt_word,
     confirm,
     console,
     handle_errors,
@@ -46,13 +48,14 @@ def stop(
                             help="Stop this process although dynctl did not start it: an sglang server for this "
                                  "host's port that dynctl found only by its command line (asks first)."),
     yes: bool = YesOpt,
+    adopt: bool = AdoptOpt,
     as_json: bool = JsonOpt,
     verbose: bool = VerboseOpt,
 ) -> None:
     """Stop the server: SIGTERM, drain, SIGKILL after --grace, sweep its processes, wait for port and GPU."""
     session = open_host(host, config)
     result = lifecycle.stop(session.agent, grace, EventPrinter(quiet=as_json, verbose=verbose),
-                            lambda question: confirm(question, yes), pid=pid)
+                            lambda question: confirm(question, yes), pid=pid, adopt=adopt_word(adopt, yes))
     if as_json:
         _print_json(result)
 
@@ -81,6 +84,7 @@ def restart(
     grace: float = GraceOpt,
     ready_timeout: float = ReadyTimeoutOpt,
     yes: bool = YesOpt,
+    adopt: bool = AdoptOpt,
     as_json: bool = JsonOpt,
     verbose: bool = VerboseOpt,
 ) -> None:
@@ -88,7 +92,8 @@ def restart(
     configured one)."""
     session = open_host(host, config)
     ready = lifecycle.restart(session.agent, session.host, grace, ready_timeout,
-                              EventPrinter(quiet=as_json, verbose=verbose), lambda question: confirm(question, yes))
+                              EventPrinter(quiet=as_json, verbose=verbose), lambda question: confirm(question, yes),
+                              adopt=adopt_word(adopt, yes))
     if as_json:
         _print_json(ready)
 

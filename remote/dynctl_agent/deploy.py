@@ -39,10 +39,12 @@ def _set_state(ctx, **fields):
     store.write_json_atomic(ctx.path(STATE_FILE), state)
 
 
-def _gate(ctx, oplog, argv, release, ready_timeout):
-    """Start argv and wait until it serves; raise AgentError with the log tail when it does not."""
+def _gate(ctx, oplog, argv, release, ready_timeout, launch=None):
+    """Start argv and wait until it serves; raise AgentError with the log tail when it does not.
+
+    launch: the environment and cwd of an adopted server's launch (releases.baseline_launch)."""
     with oplog.step("start", " ".join(argv)):
-        started = startup.start_server(ctx, argv, release=release)
+        started = startup.start_server(ctx, argv, release=release, launch=launch)
         oplog.emit("info", text="server pid %s" % started.get("pid"))
     with oplog.step("health", "waiting for /health_generate and one /generate"):
         for item in startup.wait_ready(ctx, ready_timeout=ready_timeout):
@@ -163,13 +165,33 @@ def _soak(ctx, oplog, seconds, poll=0.05):
     return {"soak_s": seconds}
 
 
+def _take_over(ctx, oplog, taking):
+    """Adopt the operator's server the operator asked to take over: its launch becomes the baseline release."""
+    launch = servers.adoption(ctx, taking)
+    releases.record_adopted(ctx, launch)
+    oplog.emit("info", text="taking over pid %d, not started by dynctl, at the operator's word: its argv, "
+                            "environment (%d variables) and cwd %s are the baseline release now"
+                            % (taking["pid"], len(launch["env"]), launch["cwd"]))
+    return launch
+
+
+def _stop(ctx, grace, taking):
+    """Stop our server, or the operator's server being taken over (pinned to its pid and start time)."""
+    if taking is None:
+        return shutdown.stop_server(ctx, grace=grace)
+    return shutdown.stop_server(ctx, grace=grace, pid=taking["pid"], pid_start=taking["start"])
+
+
 def op_deploy(ctx, oplog, files, sglang_version, strategy, threshold, launch_argv, baseline_argv,
-              artifacts=None, grace=60, ready_timeout=900, soak=DEFAULT_SOAK_S, **_):
+              artifacts=None, grace=60, ready_timeout=900, soak=DEFAULT_SOAK_S, adopt=None, **_):
     loc = servers.locate(ctx)
-    servers.preflight(ctx, loc, "deploy")
+    taking = servers.preflight(ctx, loc, "deploy", adopt)
     _recover(ctx, oplog)
     previous, previous_argv = _previous_argv(ctx, baseline_argv)
-    running = loc["server"]
+    previous_launch = None
+    if previous is None:
+        previous_argv, previous_launch = releases.baseline_launch(ctx, baseline_argv)
+    running = loc["server"] or taking
     with oplog.step("switch", "validate with %s, back up, swap %d file(s)" % (ctx.python, len(files))):
         applied = patch.apply_release(ctx, files, sglang_version, strategy=strategy, threshold=threshold,
                                 launch_argv=launch_argv, artifacts=artifacts)
@@ -177,8 +199,12 @@ def op_deploy(ctx, oplog, files, sglang_version, strategy, threshold, launch_arg
     argv = applied["manifest"]["launch_argv"]
     oplog.emit("info", text="release %s in force (files changed: %d)" % (release, len(files)))
     try:
+        if taking is not None:  # what ran before is the operator's launch: a failed deploy restarts exactly that
+            adopted = _take_over(ctx, oplog, taking)
+            previous_argv = adopted["argv"]
+            previous_launch = {"env": adopted["env"], "cwd": adopted["cwd"], "adopted": adopted["pid"]}
         with oplog.step("stop", "SIGTERM, drain up to %ss, then SIGKILL" % grace):
-            stopped = shutdown.stop_server(ctx, grace=grace)
+            stopped = _stop(ctx, grace, taking)
             oplog.emit("info", text=shutdown.summary(stopped))
         ready = _gate(ctx, oplog, argv, release, ready_timeout)
         verified = _verify(ctx, oplog, strategy, threshold)
@@ -187,7 +213,7 @@ def op_deploy(ctx, oplog, files, sglang_version, strategy, threshold, launch_arg
         oplog.warn("deploy failed: %s" % err)
         target = previous or releases.BASELINE
         rolled = _roll_back_after_failure(ctx, oplog, release, previous_argv, running is not None,
-                                             grace, ready_timeout, soak)
+                                             grace, ready_timeout, soak, previous_launch)
         raise AgentError("deploy of release %s failed: %s; %s" % (release, err, rolled), "failed",
                          rolled_back_to=target, failed_release=release,
                          log_tail=err.extra.get("log_tail") or [])
@@ -198,7 +224,8 @@ def op_deploy(ctx, oplog, files, sglang_version, strategy, threshold, launch_arg
     return result
 
 
-def _roll_back_after_failure(ctx, oplog, release, previous_argv, was_running, grace, ready_timeout, soak=0):
+def _roll_back_after_failure(ctx, oplog, release, previous_argv, was_running, grace, ready_timeout, soak=0,
+                             launch=None):
     with oplog.step("rollback", "restoring the previous release"):
         stopped = shutdown.stop_server(ctx, grace=min(grace, 30))
         oplog.emit("info", text=shutdown.summary(stopped))
@@ -206,17 +233,18 @@ def _roll_back_after_failure(ctx, oplog, release, previous_argv, was_running, gr
     if not was_running:
         return "rolled back to the previous release (the server was not running before; left stopped)"
     try:
-        _gate(ctx, oplog, previous_argv, releases.current(ctx), ready_timeout)
+        _gate(ctx, oplog, previous_argv, releases.current(ctx), ready_timeout, launch)
         _soak(ctx, oplog, min(float(soak or 0), DEFAULT_SOAK_S))  # it served before: a short look will do
     except AgentError as err:
         return "rolled back the files, but the previous server did not come back: %s" % err
     return "rolled back to %s, which is serving again" % (releases.current(ctx) or releases.BASELINE)
 
 
-def op_rollback(ctx, oplog, baseline_argv, to=None, grace=60, ready_timeout=900, soak=DEFAULT_SOAK_S, **_):
+def op_rollback(ctx, oplog, baseline_argv, to=None, grace=60, ready_timeout=900, soak=DEFAULT_SOAK_S, adopt=None,
+                **_):
     chosen = _rollback_target(ctx, to, releases.manifests(ctx))
     loc = servers.locate(ctx)
-    servers.preflight(ctx, loc, "rollback")
+    taking = servers.preflight(ctx, loc, "rollback", adopt)
     recovered = _recover(ctx, oplog)
     applied = [m for m in releases.manifests(ctx) if m.get("state") == "applied"]  # newest first
     current = applied[0]["id"] if applied else None
@@ -232,15 +260,23 @@ def op_rollback(ctx, oplog, baseline_argv, to=None, grace=60, ready_timeout=900,
         target = applied[1]["id"] if len(applied) > 1 else releases.BASELINE
     newer = [m for m in applied if target == releases.BASELINE or m["seq"] > int(target.split("-")[0])]
     manifest = next((m for m in applied if m["id"] == target), None)
-    argv = (manifest or {}).get("launch_argv") or baseline_argv
+    argv, launch = (manifest or {}).get("launch_argv"), None
+    if not argv:
+        argv, launch = releases.baseline_launch(ctx, baseline_argv)
     healthy = loc["server"] is not None and servers.health("127.0.0.1", ctx.port) == 200
     if not newer and healthy and servers.argv_matches(loc["server"]["argv"], argv):
         _set_state(ctx, last="rollback", target=target)
         return {"target": target, "changed": False, "message": "already on %s and serving" % target}
     done = []
     try:
+        if taking is not None:
+            adopted = _take_over(ctx, oplog, taking)
+            done.append("adopted pid %d as the baseline" % taking["pid"])
+            if not (manifest or {}).get("launch_argv"):
+                argv = adopted["argv"]
+                launch = {"env": adopted["env"], "cwd": adopted["cwd"], "adopted": adopted["pid"]}
         with oplog.step("stop", "SIGTERM, drain up to %ss, then SIGKILL" % grace):
-            stopped = shutdown.stop_server(ctx, grace=grace)
+            stopped = _stop(ctx, grace, taking)
             oplog.emit("info", text=shutdown.summary(stopped))
             if stopped.get("stopped"):
                 done.append("stopped the server")
@@ -248,7 +284,7 @@ def op_rollback(ctx, oplog, baseline_argv, to=None, grace=60, ready_timeout=900,
             with oplog.step("revert", "release %s" % m["id"]):
                 patch.revert_release(ctx, m["id"])
             done.append("reverted %s" % m["id"])
-        ready = _gate(ctx, oplog, argv, None if target == releases.BASELINE else target, ready_timeout)
+        ready = _gate(ctx, oplog, argv, None if target == releases.BASELINE else target, ready_timeout, launch)
         soaked = _soak(ctx, oplog, soak)
     except AgentError as err:
         if not ctx.changed:
@@ -268,6 +304,9 @@ def deploy_context(ctx, files=(), **_):
     server only), and what is in the way that is not ours (the deploy itself will refuse it)."""
     loc = servers.locate(ctx)
     not_ours = servers.not_ours(ctx, loc)
+    operator = None
+    if not_ours is not None and not_ours["kind"] == "operator":
+        operator = {k: not_ours[k] for k in ("pid", "start", "cmdline", "uid", "owner", "adoptable", "hint")}
     return {"holder": lock.live_holder(ctx), "patch": patch.patch_read(ctx, files=files),
             "info": serverinfo.server_info(ctx) if loc["server"] is not None else None,
-            "not_ours": not_ours and not_ours["text"]}
+            "not_ours": not_ours and not_ours["text"], "operator": operator}

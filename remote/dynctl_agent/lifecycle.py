@@ -18,33 +18,46 @@ def server_find(ctx, **extra):
     return servers.find(ctx)
 
 
-def server_stop(ctx, grace=60, port_timeout=30, gpu_timeout=60, pid=None, pid_start=None, **extra):
+def server_stop(ctx, grace=60, port_timeout=30, gpu_timeout=60, pid=None, pid_start=None, adopt=None, **extra):
+    """Stop our server; the operator's server only when named (`pid`) or taken over (`adopt`, which first
+    records its launch as the baseline release)."""
     _no_extra("server_stop", extra)
     with lock.host_lock(ctx, "stop"), lock.hangup_shield():
+        if adopt and pid is None:
+            taking = servers.takeover(ctx, servers.locate(ctx), "stop", adopt)
+            if taking is not None:
+                releases.record_adopted(ctx, servers.adoption(ctx, taking))
+                pid, pid_start = taking["pid"], taking["start"]
         return shutdown.stop_server(ctx, float(grace), float(port_timeout), float(gpu_timeout), pid, pid_start)
 
 
-def _resolve_launch(ctx, argv, release, baseline_argv):
-    """(argv, release, how) of a start: the caller's argv, else the one recorded with the release in force
-    (what deploy started, so a start after a stop keeps the threshold), else the configured one."""
+def _resolve_launch(ctx, argv, release, baseline_argv, adopting=None):
+    """(argv, release, how, launch) of a start: the caller's argv, else the one recorded with the release in
+    force (what deploy started, so a start after a stop keeps the threshold), else the baseline: the
+    adopted server's launch (`adopting`: one being adopted now), else the configured one."""
     if argv is not None:
-        return argv, release, "the given launch argv"
+        return argv, release, "the given launch argv", None
     in_force = releases.launch_in_force(ctx)
     if in_force is not None and in_force["argv"]:
-        return in_force["argv"], in_force["release"], "the launch argv of release %s" % in_force["release"]
+        return in_force["argv"], in_force["release"], "the launch argv of release %s" % in_force["release"], None
+    why = ("release %s records none" % in_force["release"]) if in_force else "no release in force"
+    adopted = adopting or releases.adopted(ctx)
+    if adopted is not None:
+        launch = {"env": dict(adopted.get("env") or {}), "cwd": adopted.get("cwd"), "adopted": adopted.get("pid")}
+        how = "the adopted launch of pid %s, the baseline (%s)" % (adopted.get("pid"), why)
+        return list(adopted["argv"]), None, how, launch
     if baseline_argv:
-        why = ("release %s records none" % in_force["release"]) if in_force else "no release in force"
-        return list(baseline_argv), None, "the configured launch argv (%s)" % why
-    return None, release, None
+        return list(baseline_argv), None, "the configured launch argv (%s)" % why, None
+    return None, release, None, None
 
 
 def server_start(ctx, argv=None, env=None, release=None, baseline_argv=None, **extra):
     _no_extra("server_start", extra)
     with lock.host_lock(ctx, "start"), lock.hangup_shield():
-        argv, release, how = _resolve_launch(ctx, argv, release, baseline_argv)
+        argv, release, how, launch = _resolve_launch(ctx, argv, release, baseline_argv)
         if argv is None:
             raise AgentError("start: no argv given, no release in force and no configured launch", "usage")
-        result = startup.start_server(ctx, argv, env, release)
+        result = startup.start_server(ctx, argv, env, release, launch)
         result["launch"] = how
         return result
 
@@ -65,25 +78,34 @@ def server_wait_ready(ctx, ready_timeout=900, generate=True, **extra):
 
 
 def server_restart(ctx, argv=None, env=None, release=None, grace=60, ready_timeout=900, baseline_argv=None,
-                        **extra):
-    """stop → start → wait_ready in one agent process, so a dropped connection cannot leave it between."""
+                        adopt=None, **extra):
+    """stop → start → wait_ready in one agent process, so a dropped connection cannot leave it between.
+
+    adopt: the operator's word for taking over their server that runs on the port (servers.takeover): its
+    launch becomes the baseline release, so with no release in force it is restarted as it was launched.
+    """
     _no_extra("server_restart", extra)
     with lock.host_lock(ctx, "restart"):
         with lock.hangup_shield():
             rec = servers.read_pidfile(ctx) or {}
-            argv, release, how = _resolve_launch(ctx, argv, release, baseline_argv)
+            taking = servers.preflight(ctx, servers.locate(ctx), "restart", adopt)
+            adopting = servers.adoption(ctx, taking) if taking is not None else None
+            argv, release, how, launch = _resolve_launch(ctx, argv, release, baseline_argv, adopting)
             if argv is None:  # the last start, as recorded (the pidfile is 0600: env values may be secret)
                 argv, how = rec.get("argv"), "the launch argv of the last start"
                 release = rec.get("release") if release is None else release
                 if not argv:
                     raise AgentError("restart: no argv given and no previous start recorded in %s" % ctx.workdir,
                                      "usage")
-            if env is None and rec.get("argv") == argv:
+            if env is None and launch is None and rec.get("argv") == argv:
                 env = rec.get("env")
-            servers.preflight(ctx, servers.locate(ctx), "restart")
-            stopped = shutdown.stop_server(ctx, float(grace))
+            if adopting is not None:
+                releases.record_adopted(ctx, adopting)
+                stopped = shutdown.stop_server(ctx, float(grace), pid=taking["pid"], pid_start=taking["start"])
+            else:
+                stopped = shutdown.stop_server(ctx, float(grace))
             try:
-                started = startup.start_server(ctx, argv, env, release)
+                started = startup.start_server(ctx, argv, env, release, launch)
             except AgentError as err:
                 if not ctx.changed:
                     raise

@@ -118,6 +118,53 @@ def cmdline(pid):
         return []
 
 
+def uids(pid):
+    """(real, effective) uid of pid as /proc/<pid>/status gives them, or None when it is gone."""
+    try:
+        with open("/proc/%d/status" % pid) as f:
+            for line in f:
+                if line.startswith("Uid:"):
+                    fields = line.split()
+                    return int(fields[1]), int(fields[2])
+    except (OSError, IndexError, ValueError):
+        return None
+    return None
+
+
+def owned_by_us(pid):
+    """pid runs as this process's effective uid (real and effective uid both): only such a process can be ours."""
+    found = uids(pid)
+    return found is not None and found == (os.geteuid(), os.geteuid())
+
+
+def user_name(uid):
+    """The login name of uid, else the number as text."""
+    try:
+        import pwd
+
+        return pwd.getpwuid(uid).pw_name
+    except (ImportError, KeyError):
+        return str(uid)
+
+
+def environ(pid):
+    """pid's environment as a dict (entries without '=' are skipped); raises OSError when unreadable."""
+    with open("/proc/%d/environ" % pid, "rb") as f:
+        raw = f.read()
+    out = {}
+    for entry in raw.split(b"\0"):
+        if b"=" in entry:
+            key, value = entry.split(b"=", 1)
+            if key:
+                out[key.decode("utf-8", "surrogateescape")] = value.decode("utf-8", "surrogateescape")
+    return out
+
+
+def cwd(pid):
+    """pid's working directory; raises OSError when unreadable."""
+    return os.readlink("/proc/%d/cwd" % pid)
+
+
 def has_env(pid, name, value):
     """pid's environment holds name=value exactly."""
     try:

@@ -137,3 +137,43 @@ def launch_in_force(ctx):
     """{"release": id, "argv": its recorded launch argv or None} of the release in force, or None."""
     manifest = in_force(ctx)
     return None if manifest is None else {"release": manifest["id"], "argv": manifest.get("launch_argv")}
+
+
+# -- the adopted baseline: the launch of an operator's server that dynctl took over
+
+ADOPTED = "adopted.json"  # {pid, pid_start, argv, env, cwd, adopted, who}; 0600, env values are never shown
+
+
+def adopted(ctx):
+    """The adopted launch (the baseline a rollback to "baseline" restarts), or None."""
+    rec = store.read_json(ctx.path(ADOPTED)) if os.path.isdir(ctx.workdir) else None
+    if not rec or not isinstance(rec.get("argv"), list) or not rec["argv"]:
+        return None
+    return rec
+
+
+def adopted_summary(ctx):
+    """The adopted baseline without its environment's values: what status may show."""
+    rec = adopted(ctx)
+    if rec is None:
+        return None
+    return {"pid": rec.get("pid"), "argv": rec["argv"], "cwd": rec.get("cwd"), "env_keys": sorted(rec.get("env") or {}),
+            "adopted": rec.get("adopted"), "who": rec.get("who")}
+
+
+def record_adopted(ctx, launch):
+    """Make `launch` (servers.adoption) the baseline release: written 0600, journalled without env values."""
+    ctx.ensure_workdir()
+    store.write_json_atomic(ctx.path(ADOPTED), launch)
+    ctx.changed = True
+    journal(ctx, "adopt", pid=launch["pid"], argv=launch["argv"], cwd=launch.get("cwd"),
+            env_keys=sorted(launch.get("env") or {}))
+
+
+def baseline_launch(ctx, baseline_argv):
+    """(argv, launch) of the baseline: the adopted server's argv with its environment and cwd, else the
+    configured argv (launch None: the configured environment, the home directory)."""
+    rec = adopted(ctx)
+    if rec is not None:
+        return list(rec["argv"]), {"env": dict(rec.get("env") or {}), "cwd": rec.get("cwd"), "adopted": rec.get("pid")}
+    return (list(baseline_argv) if baseline_argv else None), None

@@ -99,7 +99,7 @@ def tree_of(table, pid, start, leads_session, marker):
     for p, st in table.items():
         if p in tree or st["start"] < start or st["state"] in ("Z", "X"):
             continue
-        if (leads_session and st["sid"] == pid) or (marker and has_marker(p, marker)):
+        if ((leads_session and st["sid"] == pid) or (marker and has_marker(p, marker))) and procfs.owned_by_us(p):
             tree[p] = st["start"]
     return tree
 
@@ -150,22 +150,25 @@ def _leftovers(table, rec):
     for p, st in table.items():
         if st["state"] in ("Z", "X") or st["start"] < start or (p == old and not session_ours):
             continue
-        if (session_ours and st["sid"] == old) or (marker and has_marker(p, marker)):
+        if ((session_ours and st["sid"] == old) or (marker and has_marker(p, marker))) and procfs.owned_by_us(p):
             found[p] = st["start"]
     return found
 
 
 def locate(ctx):
-    """The one decision about who runs on our port: ours, not ours (named), or nobody.
+    """The one decision about who runs on our port: ours, the operator's, not ours (named), or nobody.
 
-    Ours: the pidfile's process (checked against its start time and command line), else the sglang (or
-    configured) launcher listening on the port. Everything else that matters is named, never claimed:
-    "foreign" listeners on the port, and "unmanaged" launchers found only by their command line (not
-    listening, not in our pidfile, without our marker) -- those are refused, never signalled. Status, the
-    watch stream, stop, start, deploy and rollback all read this same answer.
+    Ours: the pidfile's process (checked against its start time, command line and owner), the only server
+    dynctl signals on its own. The operator's: an sglang (or configured) launcher listening on the port that
+    dynctl did not start; it is named and left alone unless the operator asks for it to be taken over
+    (preflight's `adopt`). Everything else that matters is named, never claimed: "foreign" listeners on the
+    port, and "unmanaged" launchers found only by their command line (not listening, not in our pidfile,
+    without our marker) -- those are refused, never signalled. A process of another uid is never ours.
+    Status, the watch stream, stop, start, deploy and rollback all read this same answer.
 
     Returns {"server": {...} or None, "record": pidfile, "pidfile": note, "tree": {pid: start},
-    "leftovers": {pid: start} of a previous server, "foreign": [pids], "unmanaged": {pid: start}}.
+    "leftovers": {pid: start} of a previous server, "operator": {...} or None, "foreign": [pids],
+    "unmanaged": {pid: start}}.
     """
     rec = read_pidfile(ctx) or None
     table = procfs.table()
@@ -179,6 +182,8 @@ def locate(ctx):
             note = "stale: pid %d is gone" % pid
         elif st["start"] != rec.get("pid_start") or not _is_recorded(pid, rec):
             note = "stale: pid %d now belongs to another process (%s)" % (pid, " ".join(procfs.cmdline(pid))[:120])
+        elif not procfs.owned_by_us(pid):
+            note = "stale: pid %d runs as %s, not as %s" % (pid, _owner(pid), getpass.getuser())
         else:
             note = "ok"
             server = dict(pid=pid, start=st["start"], sid=st["sid"], source="pidfile",
@@ -186,29 +191,86 @@ def locate(ctx):
     leftovers = _leftovers(table, rec) if rec and rec.get("pid") and server is None else {}
     live = {p: st for p, st in table.items() if st["state"] not in ("Z", "X") and p not in leftovers}
     listeners = procfs.listening_pids(ctx.port)
+    operator, op_tree = None, {}
     if server is None:
         for pid in listeners:
             if pid in live and looks_like_server(ctx, procfs.cmdline(pid)):
-                server = dict(pid=pid, start=live[pid]["start"], sid=live[pid]["sid"], source="port",
-                              marker=None, argv=procfs.cmdline(pid))
+                operator = dict(pid=pid, start=live[pid]["start"], sid=live[pid]["sid"], source="operator",
+                                marker=None, argv=procfs.cmdline(pid), uid=(procfs.uids(pid) or (None,))[0])
+                op_tree = tree_of(table, pid, operator["start"], operator["sid"] == pid, None)
                 break
     tree = {}
     if server is not None:
         tree = tree_of(table, server["pid"], server["start"], server["sid"] == server["pid"], server["marker"])
         leftovers = {p: s for p, s in leftovers.items() if p not in tree}
-    found = [p for p in live if p != os.getpid() and p not in tree and looks_like_server(ctx, procfs.cmdline(p))]
+    found = [p for p in live if p != os.getpid() and p not in tree and p not in op_tree
+             and looks_like_server(ctx, procfs.cmdline(p))]
     found = [p for p in found if live[p]["ppid"] not in found]  # the launcher, not its children
     unmanaged = {p: live[p]["start"] for p in sorted(found, key=lambda p: live[p]["start"])}
-    foreign = [p for p in listeners if p not in tree and p not in leftovers]
+    foreign = [p for p in listeners if p not in tree and p not in leftovers and p not in op_tree]
+    if operator is not None:
+        operator["tree"] = op_tree
     return {"server": server, "record": rec, "pidfile": note, "tree": tree, "leftovers": leftovers,
-            "foreign": foreign, "unmanaged": unmanaged}
+            "operator": operator, "foreign": foreign, "unmanaged": unmanaged}
 
 
-def not_ours(ctx, loc):
+def _owner(pid):
+    found = procfs.uids(pid)
+    return "uid ?" if found is None else "%s (uid %d)" % (procfs.user_name(found[0]), found[0])
+
+
+ADOPT_HINT = ("to take it over (its argv, environment and cwd become the baseline release), answer the takeover "
+              "prompt on a terminal or add --adopt; --yes alone never takes over a server")
+
+
+def would_run(ctx):
+    """The argv a start would run with no argv given: the release in force's, else the configured one."""
+    in_force = releases.launch_in_force(ctx)
+    if in_force is not None and in_force["argv"]:
+        return list(in_force["argv"])
+    launch = list(ctx.launch or [ctx.python, "-m", sglang.LAUNCH_MODULE])
+    return launch + list(ctx.args) + ["--port", str(ctx.port), "--enable-metrics"]
+
+
+def argv_diff(running, wanted):
+    """What differs between two argv, in words: "-`--tp 8` +`--tp 4`" (- only in running, + only in wanted)."""
+    import difflib
+
+    parts = []
+    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, running, wanted, autojunk=False).get_opcodes():
+        if tag in ("replace", "delete"):
+            parts.append("-`%s`" % " ".join(running[i1:i2]))
+        if tag in ("replace", "insert"):
+            parts.append("+`%s`" % " ".join(wanted[j1:j2]))
+    return " ".join(parts) if parts else "none"
+
+
+def operator_text(ctx, op):
+    return ("port %d is served by pid %d (%s), which was not started by dynctl (the operator's server; argv "
+            "against what dynctl would run: %s)"
+            % (ctx.port, op["pid"], " ".join(op["argv"])[:300], argv_diff(op["argv"], would_run(ctx))[:300]))
+
+
+def operator_hint(op):
+    if op.get("uid") != os.geteuid():
+        return ("it runs as %s, not as %s: dynctl never takes over another user's server, not even with --adopt; "
+                "stop it yourself, or name it with `dynctl stop --pid %d`" % (_owner(op["pid"]), getpass.getuser(),
+                                                                             op["pid"]))
+    return ADOPT_HINT
+
+
+def not_ours(ctx, loc, taking=None):
     """What stands in our server's way that dynctl will not touch, named for the operator; None if nothing.
 
-    {"kind": "unmanaged" | "foreign" | "hidden", "pid", "start", "cmdline", "text", "hint"}
+    taking: the operator's server that the operator asked to take over (it no longer counts as in the way).
+    {"kind": "operator" | "unmanaged" | "foreign" | "hidden", "pid", "start", "cmdline", "text", "hint"}
     """
+    op = loc.get("operator")
+    if op is not None and taking is None:
+        return {"kind": "operator", "pid": op["pid"], "start": op["start"], "cmdline": op["argv"],
+                "would_run": would_run(ctx), "argv_diff": argv_diff(op["argv"], would_run(ctx)),
+                "uid": op.get("uid"), "owner": _owner(op["pid"]), "adoptable": op.get("uid") == os.geteuid(),
+                "text": operator_text(ctx, op), "hint": operator_hint(op)}
     for pid, start in loc["unmanaged"].items():
         cmd = procfs.cmdline(pid)
         return {"kind": "unmanaged", "pid": pid, "start": start, "cmdline": cmd,
@@ -222,22 +284,71 @@ def not_ours(ctx, loc):
                 "text": "port %d is held by pid %d (%s), which dynctl does not manage"
                         % (ctx.port, pid, " ".join(cmd)[:200]),
                 "hint": "stop it yourself or change the port in the config"}
-    if loc["server"] is None and not loc["leftovers"] and procfs.port_in_use(ctx.port):
+    if loc["server"] is None and op is None and not loc["leftovers"] and procfs.port_in_use(ctx.port):
         return {"kind": "hidden", "pid": None, "start": None, "cmdline": [],
                 "text": "port %d is in use by a process %s cannot see" % (ctx.port, getpass.getuser()),
                 "hint": "find it with `ss -ltnp` as root"}
     return None
 
 
-def preflight(ctx, loc, action):
-    """Refuse `action` before it changes anything when something that is not ours is in the way."""
-    found = not_ours(ctx, loc)
-    if found is None:
-        return
+def _refuse(ctx, action, found, text=None):
     store.journal(ctx, "%s.refused" % action, reason=found["kind"], pid=found["pid"], cmdline=found["cmdline"][:8])
-    raise AgentError("%s refused: %s; nothing was changed and nothing was killed -- %s"
-                     % (action, found["text"], found["hint"]), "preflight",
+    # only a refusal before any change may promise that nothing changed
+    promise = "" if ctx.changed else "; nothing was changed and nothing was killed"
+    raise AgentError("%s refused: %s%s -- %s" % (action, text or found["text"], promise, found["hint"]), "preflight",
                      not_ours={k: found[k] for k in ("kind", "pid", "start", "cmdline")})
+
+
+def takeover(ctx, loc, action, adopt):
+    """The operator's server that the operator asked to take over (`adopt`: {"pid", "start"} as they saw
+    it), when it is that very process and runs as our uid; None when there is none or no word for it.
+    Anything else is refused, naming the server and, for another uid, its owner."""
+    op = loc.get("operator")
+    if op is None or not adopt:
+        return None
+    found = not_ours(ctx, loc)
+    if op.get("uid") != os.geteuid():
+        _refuse(ctx, action, found)
+    try:
+        pinned = int(adopt.get("pid") or 0), int(adopt["start"])
+    except (KeyError, TypeError, ValueError):
+        pinned = None
+    if pinned != (op["pid"], op["start"]):
+        found = dict(found, hint="look again (`dynctl status`) and confirm the server that runs now")
+        _refuse(ctx, action, found, "%s, which is not the process that was confirmed for takeover (pid %s, start "
+                "time %s)" % (found["text"], adopt.get("pid"), adopt.get("start")))
+    return op
+
+
+def preflight(ctx, loc, action, adopt=None):
+    """Refuse `action` before it changes anything when something that is not ours is in the way.
+
+    adopt: the operator's word for taking over their server (see takeover). Returns that server (to be
+    adopted and stopped by the caller) when nothing else is in the way; None when there is none.
+    """
+    taking = takeover(ctx, loc, action, adopt)
+    found = not_ours(ctx, loc, taking)
+    if found is not None:
+        if found["kind"] == "operator" and action == "start":
+            found = dict(found, hint=found["hint"].replace("add --adopt", "run `dynctl restart --adopt`"))
+        _refuse(ctx, action, found)
+    return taking
+
+
+def adoption(ctx, op):
+    """Read the launch of the operator's server `op`: argv, environment and cwd, while it is the same process."""
+    pid = op["pid"]
+    try:
+        env, cwd = procfs.environ(pid), procfs.cwd(pid)
+    except OSError as err:
+        raise AgentError("cannot read the environment or cwd of pid %d to adopt it: %s; nothing was changed"
+                         % (pid, err.strerror or err), "preflight")
+    argv = procfs.cmdline(pid)
+    if not procfs.same(pid, op["start"]) or not argv:
+        raise AgentError("pid %d exited while dynctl read its launch to adopt it; nothing was changed" % pid,
+                         "preflight")
+    return {"pid": pid, "pid_start": op["start"], "argv": argv, "env": env, "cwd": cwd,
+            "adopted": store.now_iso(), "who": ctx.who}
 
 
 def probe_host(argv):
@@ -268,7 +379,7 @@ def find(ctx):
            "log": ctx.path(LOG), "port_owner": None,
            "leftovers": [describe(p) for p in sorted(loc["leftovers"])],
            "unmanaged": [describe(p, s) for p, s in loc["unmanaged"].items()],
-           "not_ours": blocker, "in_force": releases.launch_in_force(ctx)}
+           "not_ours": blocker, "in_force": releases.launch_in_force(ctx), "adopted": releases.adopted_summary(ctx)}
     if loc["foreign"]:
         out["port_owner"] = describe(loc["foreign"][0])
     if server is None:

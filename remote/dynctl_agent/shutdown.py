@@ -28,8 +28,8 @@ def _operator_pid(ctx, loc, pid, pid_start):
     """The process the operator named with `stop --pid`, as a server to stop; refuses anything else.
 
     Only our own server, or a launcher of an sglang server for this port that dynctl did not start
-    (an "unmanaged" one, which a plain stop never signals), may be named; the start time, when given,
-    pins the very process the operator confirmed.
+    (the operator's listening one, or an "unmanaged" one; a plain stop signals neither), may be named;
+    the start time, when given, pins the very process the operator confirmed.
     """
     pid = int(pid)
     st = procfs.stat(pid)
@@ -43,6 +43,9 @@ def _operator_pid(ctx, loc, pid, pid_start):
         return server
     if pid in loc["leftovers"]:
         return None  # a leftover of our previous server: the ordinary sweep takes it
+    op = loc.get("operator")
+    if op is not None and op["pid"] == pid:
+        return dict(op)
     if pid not in loc["unmanaged"]:
         what = " ".join(procfs.cmdline(pid))[:200]
         raise AgentError("pid %d (%s) is not an sglang server for port %d; dynctl stops only that server, so "
@@ -58,7 +61,10 @@ def summary(result):
     if result.get("pid") is None:
         return "no server was running; swept %d leftover process(es) of the previous server (pids %s)" % (
             len(swept), ", ".join(str(p["pid"]) for p in swept) or "none")
-    line = "stopped pid %s (found by %s)" % (result["pid"], result.get("source"))
+    if result.get("source") == "operator":
+        line = "stopped pid %s (not started by dynctl; taken over at the operator's word)" % result["pid"]
+    else:
+        line = "stopped pid %s (found by %s)" % (result["pid"], result.get("source"))
     if swept:
         line += "; swept %d leftover process(es) of its tree" % len(swept)
     return line
@@ -79,6 +85,7 @@ def stop_server(ctx, grace=60.0, port_timeout=30.0, gpu_timeout=60.0, pid=None, 
             table = procfs.table()
             loc["tree"] = servers.tree_of(table, server["pid"], server["start"], server["sid"] == server["pid"], None)
             leftovers = {}
+            loc["foreign"] = [p for p in loc["foreign"] if p not in loc["tree"]]
     if server is None and not leftovers:
         rec = loc["record"]
         if rec and not rec.get("stopped"):
@@ -86,7 +93,10 @@ def stop_server(ctx, grace=60.0, port_timeout=30.0, gpu_timeout=60.0, pid=None, 
             servers.write_pidfile(ctx, rec)
         not_ours = servers.not_ours(ctx, loc)
         msg = "server already stopped"
-        if not_ours:
+        if not_ours and not_ours["kind"] == "operator":
+            msg = ("stop refused: no server started by dynctl runs, and %s; nothing was changed and nothing was "
+                   "killed -- %s" % (not_ours["text"], not_ours["hint"]))
+        elif not_ours:
             msg += "; %s: left alone -- %s" % (not_ours["text"], not_ours["hint"])
         store.journal(ctx, "stop.noop", port=ctx.port, pidfile=loc["pidfile"],
                 not_ours=not_ours and {k: not_ours[k] for k in ("kind", "pid")})

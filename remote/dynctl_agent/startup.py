@@ -20,8 +20,12 @@ def _rotate_log(path):
     store.rotate(path, LOG_ROTATE)
 
 
-def start_server(ctx, argv, env=None, release=None):
-    """Start argv detached in its own session, log to workdir/server.log, write the pidfile; don't wait."""
+def start_server(ctx, argv, env=None, release=None, launch=None):
+    """Start argv detached in its own session, log to workdir/server.log, write the pidfile; don't wait.
+
+    launch: {"env", "cwd"} of an adopted server (releases.baseline_launch): its environment exactly (the
+    host's and the configured one are not added) and its working directory.
+    """
     if not isinstance(argv, list) or not argv or not all(isinstance(a, str) and a for a in argv):
         raise AgentError("start needs argv as a non-empty list of strings, got %r" % (argv,), "usage")
     env = env or {}
@@ -45,11 +49,13 @@ def start_server(ctx, argv, env=None, release=None):
     log_path = ctx.path(servers.LOG)
     _rotate_log(log_path)
     marker = uuid.uuid4().hex
-    full_env = hostinfo.server_env(ctx)
+    full_env = dict(launch["env"]) if launch else hostinfo.server_env(ctx)
     full_env.update({k: os.path.expandvars(v) for k, v in env.items()})
     full_env[servers.MARKER_ENV] = marker
     home = os.path.expanduser("~")
     cwd = home if os.path.isdir(home) else ctx.workdir  # relative paths in args resolve as in a login shell
+    if launch and launch.get("cwd") and os.path.isdir(launch["cwd"]):
+        cwd = launch["cwd"]
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     with os.fdopen(fd, "ab") as log:
         log.write(("==== dynctl start %s by %s release=%s argv=%s\n"
@@ -69,6 +75,8 @@ def start_server(ctx, argv, env=None, release=None):
     record = {"pid": proc.pid, "pid_start": st.get("start"), "pgid": st.get("pgid"), "sid": st.get("sid"),
               "argv": argv, "port": ctx.port, "started": store.now_iso(), "release": release, "marker": marker,
               "log": log_path, "log_offset": offset, "env": env, "who": ctx.who}
+    if launch:
+        record["adopted_launch"] = launch.get("adopted")
     servers.write_pidfile(ctx, record)
     ctx.changed = True
     store.journal(ctx, "start.spawned", pid=proc.pid, argv=argv, release=release, env_keys=sorted(env))
