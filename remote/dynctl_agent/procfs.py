@@ -118,6 +118,21 @@ def cmdline(pid):
         return []
 
 
+def environ(pid):
+    """pid's environment as it was exec'd ({name: value}), or None when it cannot be read."""
+    try:
+        with open("/proc/%d/environ" % pid, "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    out = {}
+    for item in data.split(b"\0"):
+        name, sep, value = item.partition(b"=")
+        if sep:
+            out[name.decode("utf-8", "replace")] = value.decode("utf-8", "replace")
+    return out
+
+
 def has_env(pid, name, value):
     """pid's environment holds name=value exactly."""
     try:
