@@ -40,6 +40,7 @@ class TokenServer:
         self.steps = {"decode_cuda_graph": 0.0, "decode_none": 0.0}
         self.disabled_steps = 0.0
         self.bodies: list[dict] = []
+        self.extra_info: dict = {}  # more /server_info fields
         self.port = 0
         self._loop = asyncio.new_event_loop()
         self._server: asyncio.base_events.Server | None = None
@@ -128,7 +129,8 @@ class TokenServer:
         if path in ("/server_info", "/get_server_info"):
             state = {} if self.threshold is None else {"speculative_disable_batch_threshold": self.threshold}
             return await self._send(writer, 200, json.dumps({
-                "version": "tiny", "speculative_algorithm": self.spec, "internal_states": [state]}).encode())
+                "version": "tiny", "speculative_algorithm": self.spec, "internal_states": [state],
+                **self.extra_info}).encode())
         if path == "/set_internal_state":
             args = json.loads(body).get("server_args", {})
             if self.threshold is not None and "speculative_disable_batch_threshold" in args:

@@ -28,6 +28,8 @@ def result_document(result: BenchResult) -> dict[str, Any]:
         "server_version": probe.get("version"),
         "speculative_algorithm": probe.get("speculative_algorithm"),
         "threshold_before": probe.get("threshold"),
+        "debug_checks": result.debug_checks,  # [{"check", "source"}]: what slows the measured server
+        "slower_than_production": bool(result.debug_checks),
         "input_len": plan.input_len,
         "output_len": plan.output_len,
         "ignore_eos": True,
@@ -40,7 +42,7 @@ def result_document(result: BenchResult) -> dict[str, Any]:
         "error": result.error,
         "runs": [
             {"mode": run.mode.name, "threshold": run.threshold_in_force, "label": run.mode.name,
-             "levels": run.levels}
+             "measured_as": run.measured_as, "levels": run.levels}
             for run in result.runs
         ],
         "recommendation": result.recommendation,

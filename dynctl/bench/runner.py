@@ -25,6 +25,8 @@ from dynctl.bench.stats import read_sample, summarize_level
 from dynctl.errors import DynctlError, Interrupted, UnreachableError, UsageError
 
 LOADGEN_CPU_WARN = 80.0  # % of one core: above it the generator, not the server, may set the pace
+# --compare's no-spec mode on a speculative server: threshold 0, the patch's disabled path
+NO_SPEC_AS = "threshold 0 on a speculative server"
 
 
 @dataclass
@@ -32,6 +34,7 @@ class ModeRun:
     mode: Mode
     threshold_in_force: int | None
     levels: list[dict[str, Any]] = field(default_factory=list)
+    measured_as: str | None = None  # what the mode's name does not say about how it was measured
 
 
 @dataclass
@@ -49,6 +52,23 @@ class BenchResult:
     @property
     def levels_measured(self) -> int:
         return sum(len(r.levels) for r in self.runs)
+
+    @property
+    def debug_checks(self) -> list[dict[str, str]]:
+        """The slowing debug checks the measured server runs with (strict memory checks, NaN detection)."""
+        return list(self.probe.get("debug_checks") or [])
+
+
+def debug_checks_warning(host: str, checks: list[dict[str, str]]) -> str:
+    found = "; ".join(f"{c['check']} ({c['source']})" for c in checks)
+    return (f"{host}: the server runs with debug checks that slow every step: {found}; these numbers are slower "
+            "than production, and so is any threshold recommended from them: measure a server started without them")
+
+
+def no_spec_note(algorithm: str | None) -> str:
+    return (f"no-spec measured as {NO_SPEC_AS} ({algorithm or 'speculation'} configured, disabled by the threshold: "
+            "the patch's disabled path, not a server launched without speculation); the recommendation's "
+            "no-spec baseline is that path")
 
 
 class _Stopped(Exception):
@@ -106,6 +126,8 @@ def _run(agent: AgentClient, host: str, plan: BenchPlan, on_event: events.EventS
     switcher.check(plan.modes)
     on_event(BenchStarted(host, probe.get("where", "?"), probe.get("model"), plan.concurrency, plan.modes,
                           plan.budget))
+    if result.debug_checks:
+        on_event(events.Warning(debug_checks_warning(host, result.debug_checks)))
     if not probe.get("metrics"):
         on_event(events.Warning(f"{host}: no sglang metrics at /metrics (server started without --enable-metrics?): "
                               "batch size and speculation share will be missing"))
@@ -114,6 +136,8 @@ def _run(agent: AgentClient, host: str, plan: BenchPlan, on_event: events.EventS
     try:
         for mode in plan.modes:
             run = ModeRun(mode, switcher.enter(mode))
+            if mode == Mode.no_spec() and run.threshold_in_force == 0 and probe.get("speculative_algorithm"):
+                run.measured_as = NO_SPEC_AS
             result.runs.append(run)
             on_event(ModeStarted(mode, run.threshold_in_force))
             for concurrency in plan.concurrency:
@@ -129,6 +153,12 @@ def _run(agent: AgentClient, host: str, plan: BenchPlan, on_event: events.EventS
     if plan.compare:
         result.recommendation = recommend(result.runs)
     rec = result.recommendation
+    if rec is not None:
+        baseline = next((r for r in result.runs if r.mode.threshold == 0), None)
+        rec["no_spec_measured_as"] = baseline.measured_as if baseline is not None else None
+        if rec["no_spec_measured_as"]:
+            rec["notes"].append(no_spec_note(probe.get("speculative_algorithm")))
+        rec["measured_with_debug_checks"] = [c["check"] for c in result.debug_checks]
     advice = f"; recommended threshold {rec['threshold']}" if rec else ""
     on_event(events.Finished("bench", "measured",
                              f"{result.levels_measured} level(s) on {host}"

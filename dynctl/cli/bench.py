@@ -7,6 +7,7 @@ import re
 from typing import Any
 
 import typer
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
@@ -28,6 +29,7 @@ from dynctl.bench import (
     run_bench,
 )
 from dynctl.bench.modes import DeployRedeployer
+from dynctl.bench.runner import debug_checks_warning
 from dynctl.bench.chart import chart_series, crossover_x, terminal_chart, write_png
 from dynctl.bench.report import comparison_rows, level_cells, level_headers, write_json
 from dynctl.cli.common import (
@@ -188,6 +190,7 @@ class BenchView:
             if not run.levels:
                 continue
             table = Table(*level_headers(goodput), title=f"{result.host} · {run.mode.name}"
+                          + (f" (measured as {run.measured_as})" if run.measured_as else "")
                           + (" · SIMULATED" if result.simulated else ""), box=None, pad_edge=False)
             for level in run.levels:
                 table.add_row(*level_cells(level, goodput))
@@ -207,6 +210,9 @@ class BenchView:
             console.print(Text.from_ansi(terminal_chart(series, width=min(console.width, 100), height=18,
                                                         title=title, crossover=cross,
                                                         color=console.is_terminal)))
+        if result.debug_checks:
+            console.print(f"[yellow]warning:[/] {escape(debug_checks_warning(result.host, result.debug_checks))}",
+                          soft_wrap=True)
         if json_path:
             console.print(f"results: {write_json(result, json_path)}")
         if png_path and series:

@@ -16,12 +16,51 @@ import contextlib
 import resource
 
 from dynctl import sglang
-from dynctl_agent import httpclient
+from dynctl_agent import httpclient, procfs, servers
 from dynctl_agent.loadgen import Level
 from dynctl_agent.protocol import AgentError
 
-def bench_probe(ctx, host="127.0.0.1", port=None, timeout=10.0, **_):
-    """Is the server answering, which model, which speculation, and is the threshold live-switchable."""
+# Checks sglang can run on every busy step that make a server slower than it runs in production.
+STRICT_MEM_ENV = "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY"  # an int in some releases, a bool in others
+NAN_FLAG = "--enable-nan-detection"
+_ENV_OFF = ("", "0", "false", "no", "n", "off")
+
+
+def _server_process(ctx, port):
+    """(pid, argv) of the server answering on port: the one locate() names, else the port's listener."""
+    if port == int(ctx.port):
+        found = servers.locate(ctx)["server"]
+        if found is not None:
+            return found["pid"], found["argv"]
+    for pid in procfs.listening_pids(port):
+        return pid, procfs.cmdline(pid)
+    return None, []
+
+
+def debug_checks(ctx, port, info):
+    """The slowing debug checks the server runs with, from its environment and command line (/proc).
+
+    {"checks": [{"check", "source"}], "pid": the process read or None, "environ_read": bool}
+    """
+    pid, argv = _server_process(ctx, port)
+    try:
+        env = procfs.environ(pid) if pid else None
+    except OSError:
+        env = None
+    checks = []
+    value = (env or {}).get(STRICT_MEM_ENV)
+    if value is not None and value.strip().lower() not in _ENV_OFF:
+        checks.append({"check": "strict memory checks", "source": "%s=%s in its environment" % (STRICT_MEM_ENV, value)})
+    if NAN_FLAG in argv:
+        checks.append({"check": "NaN detection", "source": "%s on its command line" % NAN_FLAG})
+    elif info.get("enable_nan_detection") is True:
+        checks.append({"check": "NaN detection", "source": "enable_nan_detection in its /server_info"})
+    return {"checks": checks, "pid": pid, "environ_read": env is not None}
+
+
+def bench_probe(ctx, host="127.0.0.1", port=None, timeout=10.0, checks=True, **_):
+    """Is the server answering, which model, which speculation, is the threshold live-switchable, and
+    (unless checks is false) which slowing debug checks it runs with."""
     port = int(port or ctx.port)
     where = "%s:%d" % (host, port)
     try:
@@ -35,7 +74,7 @@ def bench_probe(ctx, host="127.0.0.1", port=None, timeout=10.0, **_):
         metrics = "sglang:" in httpclient.get(host, port, "/metrics", timeout).decode("utf-8", "replace")
     except httpclient.FAILURES:
         metrics = False
-    return {
+    out = {
         "reachable": True,
         "where": where,
         "model": data[0].get("id"),
@@ -47,6 +86,11 @@ def bench_probe(ctx, host="127.0.0.1", port=None, timeout=10.0, **_):
         # a server without a tokenizer takes token ids on /generate, not text on /v1/completions
         "token_ids": bool(info.get("skip_tokenizer_init")),
     }
+    if checks:
+        found = debug_checks(ctx, port, info)
+        out["debug_checks"] = found["checks"]
+        out["debug_checks_read"] = {"pid": found["pid"], "environ": found["environ_read"]}
+    return out
 
 
 def _cpu_s():
@@ -67,7 +111,7 @@ def bench_level(ctx, concurrency, input_len, output_len, duration=None, num_prom
     warmup = concurrency if warmup is None else int(warmup)
     if max_level_s is None:
         max_level_s = 3600.0 + (duration or 0)
-    probe = bench_probe(ctx, host=host, port=port)
+    probe = bench_probe(ctx, host=host, port=port, checks=False)
     if not probe["reachable"]:
         raise AgentError("server at %s not answering: %s" % (probe["where"], probe["error"]), "unreachable")
     level_args = (host, port, model or probe["model"], concurrency, input_len, output_len, duration, num_prompts,

@@ -19,7 +19,10 @@ next to it; one call per phase, each within the device's 10-minute limit:
 
 Servers run in their own session; their logs, the sweeps and the scores land in $GPU_ENV/results and
 come back in $OUT (results-<phase>-<version>.tar.gz, summary-<phase>-<version>.txt,
-sweeps-<phase>-<version>.json); `summarize.py` turns a run into benchmarks/gpu/results/<version>.json.
+sweeps-<phase>-<version>.json, run-<phase>-<version>.json); `summarize.py` turns a run into
+benchmarks/gpu/results/<version>.json. Each call starts from an empty results folder and empty server
+logs (a warm machine's previous ones move to $GPU_ENV/previous/) and stamps every sweep row with its run
+id, phase, release and the target's shape (runinfo.py), which summarize.py checks.
 """
 import argparse
 import glob
@@ -40,6 +43,7 @@ CARRY = os.path.dirname(HERE)
 REPO = os.path.dirname(CARRY)
 sys.path.insert(0, HERE)
 import client  # noqa: E402
+import runinfo  # noqa: E402
 
 ENV = os.environ.get("GPU_ENV", "/tmp/gpuenv")
 RES = os.path.join(ENV, "results")
@@ -51,6 +55,8 @@ SWEEP = dict(warmup=float(os.environ.get("SWEEP_WARMUP", "1.2")),
              windows=int(os.environ.get("SWEEP_WINDOWS", "3")))
 SUMMARY = []
 SUMMARY_FILE = None
+RUN = {"run_id": time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(T0)) + f"-{os.getpid()}", "phase": None,
+       "sglang": None, "model": None}  # stamped on every sweep row (runinfo.py); main() fills it in
 
 
 def say(msg):
@@ -129,21 +135,31 @@ def jit_warmup(env):
 
 
 def models():
-    """The synthetic target and draft for GPU_MODEL_ARGS, in a folder of their own per shape (a warm
-    machine keeps the models of earlier calls)."""
-    shape = os.environ.get("GPU_MODEL_ARGS", "").split()  # e.g. "--hidden 8192 --heads 64" for TP 8
-    tag = "models" + ("-" + re.sub(r"[^0-9a-z]+", "-", " ".join(shape)).strip("-") if shape else "")
+    """The synthetic target and draft for GPU_MODEL_ARGS, in a folder of their own per shape, made
+    (again) unless it holds models made with these args (recorded in made-with.txt), since a warm
+    machine keeps earlier calls' models. Sets RUN's model shape."""
+    args = os.environ.get("GPU_MODEL_ARGS", "").strip()
+    tag = "models" + ("-" + re.sub(r"[^0-9a-z]+", "-", args).strip("-") if args else "")
     d = os.environ.get("GPU_MODELS") or (os.path.join("/dev/shm", tag) if shutil.disk_usage("/dev/shm").free > 40e9
                                          else os.path.join(ENV, tag))
-    if not os.path.exists(os.path.join(d, "draft", "model.safetensors")):
+    made_with = os.path.join(d, "made-with.txt")
+    same = os.path.exists(made_with) and open(made_with).read() == args
+    if not (same and os.path.exists(os.path.join(d, "draft", "model.safetensors"))):
         t = time.time()
+        if os.path.exists(made_with):
+            os.remove(made_with)
+        shape = args.split()  # e.g. "--hidden 8192 --heads 64" for TP 8
         r = subprocess.run([sys.executable, os.path.join(HERE, "make_models.py"), "--out", d] + shape,
                            text=True, capture_output=True, env=dict(os.environ, PYTHONPATH=os.path.join(ENV, "site")))
         for line in (r.stdout + r.stderr).strip().splitlines()[-6:]:
             say("models: " + line)
         if r.returncode:
             raise SystemExit("model generation failed")
+        with open(made_with, "w") as f:
+            f.write(args)
         say(f"models made in {time.time() - t:.0f}s at {d}")
+    RUN["model"] = runinfo.read_shape(d)
+    say(f"target shape: {json.dumps(RUN['model'])}")
     return d
 
 
@@ -184,7 +200,7 @@ class Server:
                 ] + self.args
         say(f"{self.name}: start {' '.join(self.args[2:])}")
         env = dict(self.env, **(extra_env or {}))
-        self.proc = subprocess.Popen(argv, env=env, stdout=open(self.log, "a"), stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen(argv, env=env, stdout=open(self.log, "w"), stderr=subprocess.STDOUT,
                                      start_new_session=True)
         self.pid = self.proc.pid
         self.started = time.time()
@@ -303,6 +319,7 @@ def sweep(s, label, levels=LEVELS):
             say(f"sweep {label}: stopped before c{c}, budget")
             break
         rows.append(client.sweep_level(s.url, c, PROMPTS, 128, **SWEEP))
+    rows = runinfo.stamp(rows, RUN)
     json.dump(rows, open(os.path.join(RES, f"sweep-{label}.json"), "w"), indent=1)
     say(f"sweep {label}: " + ", ".join(f"c{r['concurrency']}={r['tok_s']:.0f}±{r['spread_pct']:.0f}%"
                                        f"({r['step_ms']:.1f}ms,spec{r['spec_share']})" for r in rows))
@@ -817,7 +834,7 @@ def phase_profile(a):
                 else:
                     say(f"  profile {label} c{c}: {pr.get('error', 'no trace')}")
     for label, rs in rows.items():
-        json.dump(rs, open(os.path.join(RES, f"steady-{label}.json"), "w"), indent=1)
+        json.dump(runinfo.stamp(rs, RUN), open(os.path.join(RES, f"steady-{label}.json"), "w"), indent=1)
     profiles = {f"{r['label']}-c{r['concurrency']}": r["profile"] for rs in rows.values() for r in rs
                 if "wall_us" in (r.get("profile") or {})}
     diffs = {}
@@ -855,7 +872,7 @@ def interleaved(servers, modes):
         say(f"c{c}: " + ", ".join(f"{label}={rows[label][-1]['tok_s']:.0f}±{rows[label][-1]['spread_pct']:.0f}%"
                                   f"({rows[label][-1]['step_ms']}ms)" for label, _, _ in modes))
     for label, rs in rows.items():
-        json.dump(rs, open(os.path.join(RES, f"sweep-{label}.json"), "w"), indent=1)
+        json.dump(runinfo.stamp(rs, RUN), open(os.path.join(RES, f"sweep-{label}.json"), "w"), indent=1)
 
 
 def phase_tp(a):
@@ -912,9 +929,27 @@ def finish(phase, version):
     tag = f"{phase}-{version}"
     sweeps = {os.path.basename(f)[6:-5]: json.load(open(f)) for f in glob.glob(os.path.join(RES, "sweep-*.json"))}
     json.dump(sweeps, open(os.path.join(out, f"sweeps-{tag}.json"), "w"))
+    json.dump(RUN, open(os.path.join(RES, "run.json"), "w"))
+    json.dump(RUN, open(os.path.join(out, f"run-{tag}.json"), "w"))
     with tarfile.open(os.path.join(out, f"results-{tag}.tar.gz"), "w:gz") as t:
         for p in glob.glob(os.path.join(RES, "*")) + glob.glob(os.path.join(ENV, "dynwork-*", "server.log")):
             t.add(p, arcname=os.path.relpath(p, ENV))
+
+
+def fresh_results():
+    """This call starts from an empty results folder: what a previous call on this (warm) machine left
+    there, and the logs of the servers dynctl started, move to $GPU_ENV/previous/before-<run id>, which
+    finish() does not bundle."""
+    old = ([RES] if os.path.isdir(RES) and os.listdir(RES) else []) + sorted(
+        glob.glob(os.path.join(ENV, "dynwork-*", "server.log")))
+    if old:
+        dest = os.path.join(ENV, "previous", "before-" + RUN["run_id"])
+        os.makedirs(dest)
+        for p in old:
+            name = "results" if p == RES else os.path.basename(os.path.dirname(p)) + "-server.log"
+            os.rename(p, os.path.join(dest, name))
+        say(f"previous results moved to {dest}: {', '.join(os.path.basename(p) for p in os.listdir(dest))}")
+    os.makedirs(RES, exist_ok=True)
 
 
 def main():
@@ -925,10 +960,13 @@ def main():
     ap.add_argument("--threshold", type=int, default=8,
                     help="speed: the threshold dynctl deploys before the sweeps give its own recommendation")
     a = ap.parse_args()
-    os.makedirs(RES, exist_ok=True)
+    RUN.update(phase=a.phase, sglang=a.version)
     global SUMMARY_FILE
     if os.environ.get("OUT"):
         SUMMARY_FILE = os.path.join(os.environ["OUT"], f"summary-{a.phase}-{a.version}.txt")
+    say(f"run {RUN['run_id']}: phase {a.phase}, sglang {a.version}")
+    fresh_results()
+    json.dump(RUN, open(os.path.join(RES, "run.json"), "w"))
     signal.signal(signal.SIGTERM, lambda signum, frame: (_ for _ in ()).throw(SystemExit(f"signal {signum}")))
     say("gpu: " + subprocess.run(["nvidia-smi", "--query-gpu=name,memory.used,memory.total,driver_version",
                                   "--format=csv,noheader"], text=True, capture_output=True).stdout.strip())
