@@ -7,11 +7,12 @@ meanwhile. Samples are CPU time (py-spy leaves out a thread's idle samples, so t
 synchronisation is not counted). This script turns a run's `pyspy-<label>-c<N>.txt` files into
 microseconds of CPU per decode step:
 
-  pyspy_summary.py RESULTS_DIR [--base nospec] [--top 18] [--json OUT]
+  pyspy_summary.py RESULTS_DIR [--base nospec] [--top 18] [--json OUT] [--children FUNC ...]
 
 - `inclusive`: per function (`Class.method (file)`), the CPU time of the samples with it on the stack;
 - `self`: the leaf frames' time;
-- for every label against `--base`: the inclusive functions whose time differs most.
+- for every label against `--base`: the inclusive functions whose time differs most;
+- with `--children Scheduler.run_batch`: per file, the time of each function that FUNC calls.
 """
 import argparse
 import glob
@@ -50,6 +51,18 @@ def per_step(samples, steps):
     return {"cpu_us_per_step": round(total * us, 1), "inclusive": dict(incl), "self": dict(leaf)}
 
 
+def children(samples, steps, parent):
+    """CPU per step of each frame called directly by `parent` ('<self>' for parent's own lines)."""
+    us = 1e6 / RATE_HZ / max(1, steps)
+    out = defaultdict(float)
+    for fr, n in samples:
+        for i, f in enumerate(fr):
+            if f.startswith(parent):
+                out[fr[i + 1] if i + 1 < len(fr) else "<self>"] += n * us
+                break
+    return dict(out)
+
+
 def rounded(table, top):
     return {k: round(v, 1) for k, v in sorted(table.items(), key=lambda kv: -kv[1])[:top]}
 
@@ -60,6 +73,7 @@ def main():
     ap.add_argument("--base", default="nospec")
     ap.add_argument("--top", type=int, default=18)
     ap.add_argument("--json")
+    ap.add_argument("--children", nargs="*", default=[])
     a = ap.parse_args()
     steps = {}
     for f in glob.glob(os.path.join(a.results, "steady-*.json")):
@@ -73,6 +87,7 @@ def main():
         label, c = re.match(r"pyspy-(.+)-c(\d+)\.txt$", name).groups()
         prof = per_step(load(path), steps.get(name, 0))
         prof["steps_sampled"] = steps.get(name, 0)
+        prof["children"] = {f: rounded(children(load(path), steps.get(name, 0), f), a.top) for f in a.children}
         out.setdefault(c, {})[label] = prof
     report = {}
     for c, labels in sorted(out.items(), key=lambda kv: int(kv[0])):
@@ -80,7 +95,8 @@ def main():
         level = {}
         for label, prof in labels.items():
             row = {"cpu_us_per_step": prof["cpu_us_per_step"], "steps_sampled": prof["steps_sampled"],
-                   "inclusive": rounded(prof["inclusive"], a.top), "self": rounded(prof["self"], a.top)}
+                   "inclusive": rounded(prof["inclusive"], a.top), "self": rounded(prof["self"], a.top),
+                   "children": prof["children"]}
             if base is not None and label != a.base:
                 names = set(prof["inclusive"]) | set(base["inclusive"])
                 d = {n: prof["inclusive"].get(n, 0.0) - base["inclusive"].get(n, 0.0) for n in names}
@@ -95,6 +111,8 @@ def main():
             print(f"{c} {label}: {row['cpu_us_per_step']} us of scheduler CPU per step ({row['steps_sampled']} steps)")
             for k, v in list(row.get("vs_" + a.base, {}).items())[:10]:
                 print(f"    {v:+8.1f} us  {k}")
+            for f, kids in row["children"].items():
+                print(f"    in {f}: " + ", ".join(f"{k.split(' (')[0]} {v}" for k, v in list(kids.items())[:8]))
 
 
 if __name__ == "__main__":
