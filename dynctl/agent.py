@@ -23,64 +23,192 @@ from dynctl.errors import (
 from dynctl.transport.base import Transport
 
 PROTOCOL = 1
-_MISSING_RC = 97
+_MISSING_RC = 97  # the boot program found no copy of this agent: upload it
+_DAMAGED_RC = 96  # the copy is there but damaged (a file changed or gone, a module that does not load): repair it
 
-# Runs the agent unpacked under its hash if that version is present, else says so with exit 97: one round
-# trip per call in the common case, and no knowledge of the remote $HOME needed on this side. Its modules
-# were byte-compiled at upload (compiling costs more than starting the interpreter, and the host may set
-# PYTHONDONTWRITEBYTECODE), and each verb imports only its own.
-_BOOT = (
-    "import os,sys\n"
-    "r=os.path.join(os.path.expanduser(sys.argv[1]),'agent',sys.argv[2])\n"
-    "if not os.path.isdir(r): sys.exit(97)\n"
-    "sys.path.insert(0,r);sys.argv=[r]\n"
-    "from dynctl_agent.verbs import main\n"
-    "sys.exit(main())\n"
+# OpenSSH's StrictModes for the workdir, run by _BOOT and _UPLOAD before any code of the agent copy: the
+# workdir, agent/, the copy and each of its files must be the effective user's alone (owned by them, neither
+# group- nor world-writable), and every directory above the workdir theirs or root's and writable by its owner
+# alone; a root-owned sticky directory (/tmp) ends that walk, as nobody else may rename what we own in it.
+# The home directory itself and / are no workdir: dynctl cleans up after itself there. The copy's MANIFEST,
+# written last at upload, holds the size and CRC-32 of each of its files, and a copy that does not match them
+# is damaged: a checksum against accidents (a torn write, a deleted or edited file, a corrupt .pyc), read on
+# every call at a fraction of sha256's cost. Keeping other users out is the ownership rule's part, not the
+# checksum's: whoever may write the copy may rewrite its MANIFEST too.
+# sys.path loses the current directory first: a json.py there must not be what `import json` runs.
+_STRICT = (
+    "import sys\n"
+    "sys.path=[p for p in sys.path if p not in('','.')]\n"
+    "import json,os,stat\n"
+    "from binascii import crc32\n"
+    "U=os.geteuid()\n"
+    "class Refused(Exception): pass\n"
+    "def name(u):\n"
+    " try:\n"
+    "  import pwd;return pwd.getpwuid(u).pw_name\n"
+    " except (ImportError,KeyError): return str(u)\n"
+    "def who(u): return 'uid %d'%u if name(u)==str(u) else '%s (uid %d)'%(name(u),u)\n"
+    "def fault(p,st,mine):\n"
+    " if stat.S_ISLNK(st.st_mode): return '%s is a symlink (to %s)'%(p,os.readlink(p))\n"
+    " if st.st_uid!=U and (mine or st.st_uid):\n"
+    "  return '%s is owned by %s, not by %s'%(p,who(st.st_uid),who(U) if mine or not U else who(U)+' or root')\n"
+    " if st.st_mode&0o22:\n"
+    "  return '%s is %s-writable (mode %04o)'%(p,'world' if st.st_mode&2 else 'group',stat.S_IMODE(st.st_mode))\n"
+    "def refusal(w,f,inside):\n"
+    " import shlex;q=shlex.quote(w)\n"
+    " if inside: return ('refusing workdir %s: %s; another user could change what dynctl runs or trusts there. '\n"
+    "  'Check what is in it, then make it yours alone (chown -R %s %s && chmod -R go-w %s; remove %s, dynctl '\n"
+    "  'installs it again), or point the host\\'s workdir at a directory of your own; nothing was changed'\n"
+    "  %(w,f,shlex.quote(name(U)),q,q,shlex.quote(os.path.join(w,'agent'))))\n"
+    " return ('refusing workdir %s: %s, so another user could replace the workdir. Make it writable by its owner '\n"
+    "  'alone (chmod go-w) if that is you or root, or point the host\\'s workdir at a directory under ones that '\n"
+    "  'are; nothing was changed'%(w,f))\n"
+    "def unexpanded(a):\n"
+    " u=a[1:].split('/')[0]\n"
+    " if a.startswith('~') and u: return 'workdir %r: there is no user %r on this host; nothing was changed'%(a,u)\n"
+    " if a.startswith('~'): return 'workdir %r: the home directory of %s is unknown here; nothing was changed'%(a,who(U))\n"
+    " return 'workdir %r is relative: use an absolute path, or ~/... for the home directory on the host'%a\n"
+    "def workdir_fault(w):\n"
+    " p=w\n"
+    " while not os.path.exists(p):\n"
+    "  if os.path.islink(p): return ('workdir %s: %s is a symlink to %s, which does not exist; create that directory '\n"
+    "   'or point the workdir elsewhere; nothing was changed'%(w,p,os.readlink(p)))\n"
+    "  p=os.path.dirname(p)\n"
+    " r=os.path.realpath(w);homes=[os.path.expanduser('~')]\n"
+    " try:\n"
+    "  import pwd;homes.append(pwd.getpwuid(U).pw_dir)\n"
+    " except (ImportError,KeyError): pass\n"
+    " if r=='/' or r in [os.path.realpath(x) for x in homes if x.startswith('/')]:\n"
+    "  return ('refusing workdir %s: it is %s itself, where dynctl would keep its lock, journal and agent copies '\n"
+    "   'and clean up after itself; use a directory of its own such as ~/.dynctl; nothing was changed'\n"
+    "   %(w,'the root directory' if r=='/' else 'the home directory of '+who(U)))\n"
+    " for q in {os.path.abspath(p),os.path.realpath(p)}:\n"
+    "  mine=p==w\n"
+    "  while True:\n"
+    "   st=os.stat(q)\n"
+    "   if not mine and not st.st_uid and st.st_mode&stat.S_ISVTX: break\n"
+    "   f=fault(q,st,mine)\n"
+    "   if f: return refusal(w,f,mine)\n"
+    "   if q==os.path.dirname(q): break\n"
+    "   q,mine=os.path.dirname(q),False\n"
+    "def own(p):\n"
+    " f=os.open(p,os.O_RDONLY|os.O_NOFOLLOW)\n"
+    " try:\n"
+    "  st=os.fstat(f);m=fault(p,st,True)\n"
+    "  if m: raise Refused(m)\n"
+    "  if not stat.S_ISREG(st.st_mode): raise OSError(0,'not a regular file',p)\n"
+    "  return os.read(f,st.st_size+1)\n"
+    " finally: os.close(f)\n"
+    "def copy_fault(w,r):\n"
+    " try:\n"
+    "  for p in (os.path.dirname(r),r):\n"
+    "   m=fault(p,os.lstat(p),True)\n"
+    "   if m: raise Refused(m)\n"
+    "  c=json.loads(own(os.path.join(r,'MANIFEST')))\n"
+    "  for d in c['dirs']:\n"
+    "   p=os.path.join(r,d);st=os.lstat(p)\n"
+    "   if not stat.S_ISDIR(st.st_mode): raise OSError(0,'not a directory',p)\n"
+    "   m=fault(p,st,True)\n"
+    "   if m: raise Refused(m)\n"
+    "  for n,v in c['files'].items():\n"
+    "   b=own(os.path.join(r,n))\n"
+    "   if [len(b),crc32(b)]!=v: return 'damaged','%s differs from what was installed'%n\n"
+    " except Refused as e: return 'refuse',refusal(w,str(e),True)\n"
+    " except OSError as e: return 'damaged','%s: %s'%(e.filename or r,e.strerror or e)\n"
+    " except (ValueError,KeyError,TypeError,AttributeError) as e: return 'damaged','MANIFEST: %r'%e\n"
 )
 
+# Runs the agent unpacked under its hash if that version is present, else says so with exit 97: one round
+# trip per call in the common case, and no knowledge of the remote $HOME needed on this side. A workdir or
+# copy another user could change is refused with a pre-flight answer; a damaged copy exits 96 (the client
+# uploads it again). Its modules were byte-compiled at upload (compiling costs more than starting the
+# interpreter, and the host may set PYTHONDONTWRITEBYTECODE), are read from the copy's own __pycache__ and
+# never rewritten there, and each verb imports only its own.
+_BOOT = _STRICT + (
+    "a=sys.argv[1];w=os.path.expanduser(a);r=os.path.join(w,'agent',sys.argv[2])\n"
+    "def refuse(m):\n"
+    " sys.stdout.write(json.dumps({'protocol':%d,'ok':False,'kind':'preflight','error':m,'changed':False,"
+    "'done':True})+'\\n');sys.exit(3)\n"
+    "if not os.path.isabs(w): refuse(unexpanded(a))\n"
+    "if not os.path.isdir(r): sys.exit(%d)\n"
+    "m=workdir_fault(w)\n"
+    "if m: refuse(m)\n"
+    "s=copy_fault(w,r)\n"
+    "if s and s[0]=='refuse': refuse(s[1])\n"
+    "if s: sys.stderr.write('the dynctl agent in %%s is damaged: %%s\\n'%%(r,s[1]));sys.exit(%d)\n"
+    "sys.path.insert(0,r);sys.argv=[r];sys.pycache_prefix=None;sys.dont_write_bytecode=True\n"
+    "try: from dynctl_agent.verbs import main\n"
+    "except Exception as e:\n"
+    " sys.stderr.write('the dynctl agent in %%s does not load: %%s: %%s\\n'%%(r,type(e).__name__,e));sys.exit(%d)\n"
+    "sys.exit(main())\n"
+) % (PROTOCOL, _MISSING_RC, _DAMAGED_RC, _DAMAGED_RC)
+
 # Installs the archive from stdin (no SFTP: works through pct too): checked against its hash, unpacked
-# beside its place, compiled with the host's own interpreter, then renamed into workdir/agent/<hash> in
-# one step, so a concurrent upload or a dropped connection never leaves half an agent where _BOOT looks.
-# Copies beyond the newest few (and an hour old) are pruned, as are the one-file agents of older dynctls.
-_UPLOAD = (
-    "import compileall,hashlib,io,os,py_compile,shutil,sys,time,zipfile\n"
-    "w=os.path.expanduser(sys.argv[1]);h=sys.argv[2];a=os.path.join(w,'agent');d=os.path.join(a,h)\n"
-    "t=os.path.join(a,'.tmp-%s-%d'%(h,os.getpid()))\n"
+# beside its place, compiled with the host's own interpreter (checked-hash bytecode: a .pyc is used only
+# while it matches its source), its MANIFEST written last, then renamed into workdir/agent/<hash> in one
+# step, so a concurrent upload or a dropped connection never leaves half an agent where _BOOT looks. A copy
+# already there is kept while it is intact, else (and always with "repair") replaced. Copies beyond the
+# newest few (and an hour old) are pruned, as are the one-file agents of older dynctls: by the exact names
+# dynctl gives them, nothing else.
+_UPLOAD = _STRICT + (
+    "import compileall,hashlib,io,py_compile,re,shutil,time,zipfile\n"
+    "a=sys.argv[1];w=os.path.expanduser(a);h=sys.argv[2];g=os.path.join(w,'agent');d=os.path.join(g,h)\n"
+    "t=os.path.join(g,'.tmp-%s-%d'%(h,os.getpid()));o=os.path.join(g,'.old-%s-%d'%(h,os.getpid()))\n"
+    "def fail(m): sys.stderr.write(m+'\\n');sys.exit(3)\n"
     "if sys.version_info<(3,9):\n"
-    " sys.stderr.write('the dynctl agent needs Python 3.9 or later; %s is %d.%d\\n'%(sys.executable,"
-    "sys.version_info[0],sys.version_info[1]));sys.exit(3)\n"
+    " fail('the dynctl agent needs Python 3.9 or later; %s is %d.%d'%(sys.executable,"
+    "sys.version_info[0],sys.version_info[1]))\n"
     "data=sys.stdin.buffer.read()\n"
-    "if hashlib.sha256(data).hexdigest()[:16]!=h:\n"
-    " sys.stderr.write('the dynctl agent arrived damaged (%d bytes); nothing was written\\n'%len(data));sys.exit(3)\n"
+    "if hashlib.sha256(data).hexdigest()[:16]!=h: fail('the dynctl agent arrived damaged (%d bytes); nothing was written'%len(data))\n"
+    "if not os.path.isabs(w): fail(unexpanded(a))\n"
+    "m=workdir_fault(w)\n"
+    "if m: fail(m)\n"
     "os.umask(0o077)\n"
     "try:\n"
-    " os.makedirs(a,exist_ok=True)\n"
-    " if not os.path.isdir(d):\n"
+    " os.makedirs(g,exist_ok=True)\n"
+    " s=copy_fault(w,d) if os.path.isdir(d) else ('missing','')\n"
+    " if s and s[0]=='refuse': fail(s[1])\n"
+    " if s or sys.argv[3:]==['repair']:\n"
     "  zipfile.ZipFile(io.BytesIO(data)).extractall(t)\n"
-    "  if not compileall.compile_dir(t,quiet=2,invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH):\n"
+    "  if not compileall.compile_dir(t,quiet=2,invalidation_mode=py_compile.PycInvalidationMode.CHECKED_HASH):\n"
     "   raise OSError(0,'%s cannot compile it'%sys.executable)\n"
+    "  c={'dirs':[],'files':{}}\n"
+    "  for top,dirs,names in os.walk(t):\n"
+    "   c['dirs']+=[os.path.relpath(os.path.join(top,n),t) for n in dirs]\n"
+    "   for n in names:\n"
+    "    with open(os.path.join(top,n),'rb') as f: b=f.read()\n"
+    "    c['files'][os.path.relpath(os.path.join(top,n),t)]=[len(b),crc32(b)]\n"
+    "  with open(os.path.join(t,'MANIFEST'),'w') as f: json.dump(c,f,sort_keys=True)\n"
+    "  if os.path.isdir(d) and (sys.argv[3:]==['repair'] or copy_fault(w,d)): os.rename(d,o)\n"
     "  try: os.rename(t,d)\n"
     "  except OSError:\n"
     "   if not os.path.isdir(d): raise\n"
     "except OSError as e:\n"
     " shutil.rmtree(t,ignore_errors=True)\n"
-    " try: os.rmdir(a)\n"
+    " try: os.rmdir(g)\n"
     " except OSError: pass\n"
-    " sys.stderr.write('cannot write the dynctl agent into %s: %s\\n'%(w,e.strerror or e));sys.exit(3)\n"
-    "shutil.rmtree(t,ignore_errors=True)\n"
+    " fail('cannot write the dynctl agent into %s: %s'%(w,e.strerror or e))\n"
+    "for p in (t,o): shutil.rmtree(p,ignore_errors=True)\n"
     "def gone(n):\n"
-    " try: os.kill(int(n.rsplit('-',1)[1]),0)\n"
+    " try: os.kill(int(n),0)\n"
     " except ProcessLookupError: return True\n"
     " except (OSError,ValueError): pass\n"
     " return False\n"
-    "old=sorted((os.stat(os.path.join(a,n)).st_mtime,n) for n in os.listdir(a) if len(n)==16)[::-1][3:]\n"
+    "def mtime(n):\n"
+    " try: return os.lstat(os.path.join(g,n)).st_mtime\n"
+    " except OSError: return time.time()\n"
+    "old=sorted((mtime(n),n) for n in os.listdir(g) if re.match(r'[0-9a-f]{16}\\Z',n))[::-1][3:]\n"
     "for m,n in old:\n"
-    " if n!=h and time.time()-m>3600: shutil.rmtree(os.path.join(a,n),ignore_errors=True)\n"
-    "for n in os.listdir(a):\n"
-    " if n.startswith('.tmp-') and gone(n): shutil.rmtree(os.path.join(a,n),ignore_errors=True)\n"
+    " if n!=h and time.time()-m>3600: shutil.rmtree(os.path.join(g,n),ignore_errors=True)\n"
+    "for n in os.listdir(g):\n"
+    " x=re.match(r'\\.(?:tmp|old)-[0-9a-f]{16}-(\\d+)\\Z',n)\n"
+    " if x and gone(x.group(1)): shutil.rmtree(os.path.join(g,n),ignore_errors=True)\n"
     "for n in os.listdir(w):\n"
-    " if n.startswith('agent-') and (n.endswith(('.py','.pyc')) or '.py.tmp.' in n):\n"
-    "  try: os.unlink(os.path.join(w,n))\n"
+    " p=os.path.join(w,n)\n"
+    " if re.match(r'agent-[0-9a-f]{16}\\.py(?:c|\\.tmp\\.\\d+)?\\Z',n):\n"
+    "  try:\n"
+    "   st=os.lstat(p)\n"
+    "   if stat.S_ISREG(st.st_mode) and st.st_uid==U: os.unlink(p)\n"
     "  except OSError: pass\n"
 )
 
@@ -128,11 +256,13 @@ class AgentClient:
         # `env PATH=/x:${PATH}` would hand the agent a literal "${PATH}".
         return [self.host.python, "-c", _BOOT, self.host.workdir, resources.agent_digest()]
 
-    def upload(self) -> None:
-        argv = [self.host.python, "-c", _UPLOAD, self.host.workdir, resources.agent_digest()]
+    def upload(self, repair: bool = False) -> None:
+        """Install the agent unless an intact copy is there; `repair`: replace the copy in any case."""
+        argv = [self.host.python, "-c", _UPLOAD, self.host.workdir, resources.agent_digest(), *(["repair"] * repair)]
         self.round_trips += 1
         res = self.transport.run(argv, stdin=resources.agent_archive(), timeout=self.timeout)
-        if res.rc == 127 or b"No such file" in res.err and not res.out:
+        # exit 3: the upload program's own refusal, whatever its text says
+        if res.rc == 127 or (res.rc != 3 and b"No such file" in res.err and not res.out):
             raise PreflightError(
                 f"{self.host.name}: python interpreter '{self.host.python}' not found "
                 f"({self.transport.description}); set hosts.{self.host.name}.python"
@@ -191,14 +321,18 @@ class AgentClient:
         for attempt in (1, 2):
             self.round_trips += 1
             res = self.transport.run(self._boot_argv(), stdin=request, timeout=self.timeout)
-            if res.rc == _MISSING_RC and attempt == 1:
-                self.upload()
+            if res.rc in (_MISSING_RC, _DAMAGED_RC) and attempt == 1:
+                self.upload(repair=res.rc == _DAMAGED_RC)
                 continue
             return self._parse(verb, res.rc, res.out, res.err)
         raise OperationFailed(f"{self.host.name}: the agent vanished right after upload")
 
     def _parse(self, verb: str, rc: int, out: bytes, err: bytes) -> dict[str, Any]:
         lines = [ln for ln in out.decode("utf-8", "replace").splitlines() if ln.strip()]
+        if rc == _DAMAGED_RC and not lines:
+            raise PreflightError(f"{self.host.name}: {err.decode('utf-8', 'replace').strip()[-800:]}; installing the "
+                                 f"agent again did not repair it: check the disk under {self.host.workdir}, or remove "
+                                 f"{self.host.workdir}/agent for a fresh copy; nothing was changed")
         if rc == 127 or (not lines and b"not found" in err):
             raise PreflightError(
                 f"{self.host.name}: python interpreter '{self.host.python}' not found "
@@ -242,9 +376,13 @@ class AgentClient:
                     yield item
             finally:
                 stream.close()
-            if not got_any and stream.rc == _MISSING_RC and attempt == 1:
-                self.upload()
+            if not got_any and stream.rc in (_MISSING_RC, _DAMAGED_RC) and attempt == 1:
+                self.upload(repair=stream.rc == _DAMAGED_RC)
                 continue
+            if not got_any and stream.rc == _DAMAGED_RC:
+                raise PreflightError(f"{self.host.name}: the dynctl agent in {self.host.workdir}/agent is damaged and "
+                                     "installing it again did not repair it (`dynctl hosts` shows why); nothing was "
+                                     "changed")
             if stream.rc is None or stream.rc < 0:  # no exit status: the connection went away
                 raise UnreachableError(f"{self.host.name}: connection lost during agent stream '{verb}'")
             raise OperationFailed(f"{self.host.name}: agent stream '{verb}' ended early (rc {stream.rc})")
