@@ -173,6 +173,20 @@ def test_code_another_user_could_have_changed_never_runs(tmp_path, case):
     assert snapshot(work.parent) == before
 
 
+def test_a_new_agent_is_not_unpacked_into_another_users_agent_directory(tmp_path):
+    """A client with another agent version finds no copy of its own: the upload must not write it into an agent/
+    that another user may change under it."""
+    work = tmp_path / "work"
+    agent_for(work).call("ping")
+    shutil.rmtree(copy_of(work))
+    os.chown(work / "agent", NOBODY, NOBODY)
+    before = snapshot(work)
+    with pytest.raises(PreflightError) as info:
+        agent_for(work).call("ping")
+    assert f"{work}/agent is owned by nobody (uid 65534)" in one_line(str(info.value))
+    assert info.value.exit_code == 3 and snapshot(work) == before
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("route", ["ssh", "ssh+pct"])
 def test_another_users_workdir_is_refused_over_ssh_and_pct(sshd: FakeHost, tmp_path, route):

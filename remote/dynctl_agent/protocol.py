@@ -99,7 +99,7 @@ class Context:
 
 # What the agent keeps in workdir and reads back as its own (agent/ is the boot program's to check).
 RECORDS = ("lock", "server.json", "state.json", "current", "journal.jsonl", "journal.jsonl.1", "server.log",
-           "releases", "ops")
+           "server.log.1", "releases", "ops")
 
 
 def _name(uid):
