@@ -104,9 +104,10 @@ _SAY = (
     "def who(u): return 'uid %d'%u if name(u)==str(u) else '%s (uid %d)'%(name(u),u)\n"
     "def fault(p,st,mine):\n"
     " if stat.S_ISLNK(st.st_mode): return '%s is a symlink (to %s)'%(p,os.readlink(p))\n"
-    " if st.st_uid!=U and (mine or st.st_uid):\n"
-    "  return '%s is owned by %s, not by %s'%(p,who(st.st_uid),who(U) if mine or not U else who(U)+' or root')\n"
-    " return '%s is %s-writable (mode %04o)'%(p,'world' if st.st_mode&2 else 'group',stat.S_IMODE(st.st_mode))\n"
+    " if st.st_uid!=U and (mine or st.st_uid): return '%s is owned by %s, not by %s (mode %04o)'%(\n"
+    "  p,who(st.st_uid),who(U) if mine or not U else who(U)+' or root',stat.S_IMODE(st.st_mode))\n"
+    " return '%s is %s-writable (mode %04o, owner %s)'%(\n"
+    "  p,'world' if st.st_mode&2 else 'group',stat.S_IMODE(st.st_mode),who(st.st_uid))\n"
     "def unexpanded(a):\n"
     " u=a[1:].split('/')[0]\n"
     " if a.startswith('~') and u: return 'workdir %r: there is no user %r on this host; nothing was changed'%(a,u)\n"
@@ -123,9 +124,9 @@ _SAY = (
     "  'what is in it, then make it yours alone (chown -R %s %s && chmod -R go-w %s; remove %s, dynctl installs it '\n"
     "  'again), or point the host\\'s workdir at a directory of your own; nothing was changed'\n"
     "  %(w,fault(*x),shlex.quote(name(U)),q,q,shlex.quote(os.path.join(w,'agent'))))\n"
-    " return ('refusing workdir %s: %s, so another user could replace the workdir. Make it writable by its owner '\n"
-    "  'alone (chmod go-w) if that is you or root, or point the host\\'s workdir at a directory under ones that '\n"
-    "  'are; nothing was changed'%(w,fault(*x)))\n"
+    " how='make it writable by its owner alone (chmod go-w %s), or'%shlex.quote(x[0]) if x[1].st_uid in (0,U) else ''\n"
+    " return ('refusing workdir %s: %s, so another user could replace the workdir: %s point the host\\'s workdir '\n"
+    "  'at a directory under ones that only you or root can write; nothing was changed'%(w,fault(*x),how))\n"
 )
 
 # Runs the agent unpacked under its hash if that version is present, else says so with exit 97: one round

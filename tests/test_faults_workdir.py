@@ -139,12 +139,12 @@ def _foreign_parent(work: Path) -> None:
 
 
 FOREIGN = {
-    "workdir owned by another user": (_foreign_workdir, "{work} is owned by nobody (uid 65534), not by root (uid 0)"),
+    "workdir owned by another user": (_foreign_workdir, "{work} is owned by nobody (uid 65534), not by root (uid 0) (mode 0700)"),
     "agent/ owned by another user": (_foreign_agent_dir, "{work}/agent is owned by nobody (uid 65534)"),
     "one module owned by another user": (_foreign_module, "{copy}/dynctl_agent/verbs.py is owned by nobody (uid 65534)"),
-    "group-writable workdir": (_group_writable_workdir, "{work} is group-writable (mode 0770)"),
-    "world-writable package dir": (_world_writable_package, "{copy}/dynctl_agent is world-writable (mode 0757)"),
-    "group-writable parent": (_group_writable_parent, "{work.parent} is group-writable (mode 0775)"),
+    "group-writable workdir": (_group_writable_workdir, "{work} is group-writable (mode 0770, owner root (uid 0))"),
+    "world-writable package dir": (_world_writable_package, "{copy}/dynctl_agent is world-writable (mode 0757, owner root (uid 0))"),
+    "group-writable parent": (_group_writable_parent, "{work.parent} is group-writable (mode 0775, owner root (uid 0))"),
     "parent owned by another user": (_foreign_parent, "{work.parent} is owned by nobody (uid 65534), not by root"),
 }
 
@@ -169,7 +169,11 @@ def test_code_another_user_could_have_changed_never_runs(tmp_path, case):
     text = one_line(str(info.value))
     assert said.format(work=work, copy=copy_of(work)) in text, text
     assert f"refusing workdir {work}" in text and "nothing was changed" in text
-    assert ("chown -R root" in text) if "parent" not in case else ("chmod go-w" in text)
+    if "parent" not in case:
+        assert f"chown -R root {work} && chmod -R go-w {work}; remove {work}/agent" in text
+    else:
+        assert "could replace the workdir" in text and "only you or root can write" in text
+        assert (f"chmod go-w {work.parent}" in text) == ("writable" in case)
     assert snapshot(work.parent) == before
 
 
@@ -333,7 +337,7 @@ def test_a_world_or_group_writable_workdir_is_refused(tmp_path, mode):
     with pytest.raises(PreflightError) as info:
         agent_for(work).call("ping")
     kind = "group" if mode == 0o775 else "world"
-    assert f"{work} is {kind}-writable (mode {mode:04o})" in one_line(str(info.value))
+    assert f"{work} is {kind}-writable (mode {mode:04o}, owner root (uid 0))" in one_line(str(info.value))
     assert info.value.exit_code == 3 and list(work.iterdir()) == []
 
 

@@ -81,10 +81,11 @@ class Context:
             if stat.S_ISLNK(st.st_mode):
                 why = "%s is a symlink (to %s), which dynctl never writes" % (path, os.readlink(path))
             elif st.st_uid != uid:
-                why = "%s is owned by %s, not by %s" % (path, _who(st.st_uid), _who(uid))
+                why = "%s is owned by %s, not by %s (mode %04o)" % (path, _who(st.st_uid), _who(uid),
+                                                                   stat.S_IMODE(st.st_mode))
             elif st.st_mode & 0o022:
-                why = "%s is %s-writable (mode %04o)" % (path, "world" if st.st_mode & 0o002 else "group",
-                                                         stat.S_IMODE(st.st_mode))
+                why = "%s is %s-writable (mode %04o, owner %s)" % (
+                    path, "world" if st.st_mode & 0o002 else "group", stat.S_IMODE(st.st_mode), _who(st.st_uid))
             elif stat.S_ISDIR(st.st_mode):
                 todo += [os.path.join(path, name) for name in os.listdir(path)]
                 continue
