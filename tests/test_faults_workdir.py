@@ -455,6 +455,19 @@ def test_a_damaged_copy_is_reinstalled_on_python_3_9(tmp_path):
         == pyc.stat().st_size > 40
 
 
+def test_refusals_are_worded_on_python_3_9_too(tmp_path):
+    """The boot program compiles its refusal texts only when it refuses: on the oldest interpreter as well."""
+    exe = shutil.which("pypy3")
+    if exe is None:
+        pytest.fail("pypy3 not found: apt-get install -y pypy3 (the agent's oldest supported Python, 3.9)")
+    work = tmp_path / "work"
+    agent_for(work, python=exe).call("ping")
+    os.chown(work / "agent", NOBODY, NOBODY)
+    with pytest.raises(AgentError, match=f"{work}/agent is owned by nobody \\(uid 65534\\)") as info:
+        agent_for(work, python=exe).call("ping")
+    assert info.value.exit_code == 3
+
+
 @pytest.mark.slow
 def test_a_damaged_copy_is_reinstalled_through_ssh_and_pct(sshd: FakeHost):
     sshd.make_ct(CTID)
