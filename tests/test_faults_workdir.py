@@ -233,6 +233,15 @@ def test_a_root_owned_sticky_directory_ends_the_walk_but_others_do_not(tmp_path)
     with pytest.raises(PreflightError, match=f"{theirs} is owned by nobody"):
         agent_for(theirs / "work").call("ping")
     assert list(theirs.iterdir()) == []
+    # a symlink in the sticky directory that another user owns (and may point elsewhere at any time)
+    link = sticky / "link"
+    link.symlink_to(sticky / "work")
+    os.lchown(link, NOBODY, NOBODY)
+    with pytest.raises(AgentError) as info:
+        agent_for(link).call("ping")
+    assert f"{link} is a symlink (to {sticky / 'work'}) owned by nobody (uid 65534)" in one_line(str(info.value))
+    os.lchown(link, 0, 0)
+    assert agent_for(link).call("ping")["pong"] is True  # root's own symlink: fine
 
 
 # --------------------------------------------------------------------------- StrictModes: records dynctl trusts
@@ -271,6 +280,24 @@ def test_a_forged_server_json_is_refused_and_nothing_is_signalled(tmp_path, owne
     assert "nothing was changed" in said
     assert victim.poll() is None and psutil.Process(victim.pid).status() != psutil.STATUS_ZOMBIE
     assert snapshot(work) == before
+
+
+@pytest.mark.slow
+def test_a_forged_server_json_is_refused_over_ssh(sshd: FakeHost, tmp_path, owned):
+    work = tmp_path / "work"
+    config = sshd.write_config(tmp_path / "dynctl.toml", {"box": {"ssh": sshd.target, "python": sys.executable,
+                                                                  "workdir": str(work), "port": free_port()}},
+                               default_host="box")
+    agent_for(work).call("ping")
+    victim = subprocess.Popen(["sleep", "300"])
+    owned.append(victim)
+    os.chown(_forge_server_json(work, victim), NOBODY, NOBODY)
+    before = snapshot(work)
+    for verb in ("stop", "status"):
+        out = dynctl(verb, "--yes", config=config, timeout=120) if verb == "stop" else dynctl(verb, config=config)
+        said = one_line(out.stderr + out.stdout)
+        assert out.returncode == 3 and f"{work}/server.json is owned by nobody (uid 65534)" in said, said
+    assert victim.poll() is None and snapshot(work) == before
 
 
 @pytest.mark.parametrize("record", ["lock", "journal.jsonl", "releases", "ops/x.json", "current"])

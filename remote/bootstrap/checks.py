@@ -55,6 +55,13 @@ def workdir_fault(w):
     r = os.path.realpath(w)
     if r == "/" or r in homes():
         return "home", r
+    q = os.path.abspath(p)
+    while q != os.path.dirname(q):  # a symlink on the way is its owner's to point elsewhere: ours or root's only
+        if os.path.islink(q):
+            st = os.lstat(q)
+            if st.st_uid not in (0, U):
+                return q, st, False
+        q = os.path.dirname(q)
     for q in {os.path.abspath(p), os.path.realpath(p)}:
         mine = p == w
         while True:

@@ -19,7 +19,7 @@ def who(u):
 
 def fault(p, st, mine):
     if stat.S_ISLNK(st.st_mode):
-        return "%s is a symlink (to %s)" % (p, os.readlink(p))
+        return "%s is a symlink (to %s) owned by %s" % (p, os.readlink(p), who(st.st_uid))
     if st.st_uid != U and (mine or st.st_uid):
         return "%s is owned by %s, not by %s (mode %04o)" % (
             p, who(st.st_uid), who(U) if mine or not U else who(U) + " or root", stat.S_IMODE(st.st_mode))
