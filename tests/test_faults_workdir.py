@@ -14,7 +14,6 @@ import binascii
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
