@@ -70,11 +70,18 @@ def chown_tree(path: Path, uid: int) -> None:
         os.lchown(p, uid, uid)
 
 
+def with_canary(module: Path, canary: Path) -> None:
+    """module writes `canary` when it is imported, and otherwise does what it did."""
+    future = b"from __future__ import annotations\n"
+    head, tail = module.read_bytes().split(future, 1)
+    module.write_bytes(head + future + f"open({str(canary)!r}, 'w').write('ran')\n".encode() + tail)
+
+
 def plant_canary(workdir: Path, canary: Path) -> None:
     """What another user who may write the copy does: verbs.py writes `canary` when it runs (and then works as
     before, so nothing looks amiss), its .pyc goes so the source is what runs, and MANIFEST is rewritten to match."""
     verbs = copy_of(workdir) / "dynctl_agent" / "verbs.py"
-    verbs.write_bytes(f"open({str(canary)!r}, 'w').write('ran')\n".encode() + verbs.read_bytes())
+    with_canary(verbs, canary)
     for pyc in (verbs.parent / "__pycache__").glob("verbs.*.pyc"):
         pyc.unlink()
     manifest = copy_of(workdir) / "MANIFEST"
@@ -418,8 +425,7 @@ def _deleted_pyc(root: Path) -> None:
 
 
 def _edited_source_without_pyc(root: Path, canary: Path) -> None:
-    verbs = root / "dynctl_agent" / "verbs.py"
-    verbs.write_bytes(f"open({str(canary)!r}, 'w').write('ran')\n".encode() + verbs.read_bytes())
+    with_canary(root / "dynctl_agent" / "verbs.py", canary)
     (root / "dynctl_agent" / "__pycache__" / f"verbs.{TAG}.pyc").unlink()
 
 
