@@ -23,66 +23,24 @@ from dynctl.errors import (
 from dynctl.transport.base import Transport
 
 PROTOCOL = 1
-_MISSING_RC = 97
+_MISSING_RC = 97  # the boot program found no copy of this agent: upload it
+_DAMAGED_RC = 96  # the copy is there but damaged (a file changed or gone, a module that does not load): repair it
 
-# Runs the agent unpacked under its hash if that version is present, else says so with exit 97: one round
-# trip per call in the common case, and no knowledge of the remote $HOME needed on this side. Its modules
-# were byte-compiled at upload (compiling costs more than starting the interpreter, and the host may set
-# PYTHONDONTWRITEBYTECODE), and each verb imports only its own.
-_BOOT = (
-    "import os,sys\n"
-    "r=os.path.join(os.path.expanduser(sys.argv[1]),'agent',sys.argv[2])\n"
-    "if not os.path.isdir(r): sys.exit(97)\n"
-    "sys.path.insert(0,r);sys.argv=[r]\n"
-    "from dynctl_agent.verbs import main\n"
-    "sys.exit(main())\n"
-)
+# The programs that run on the host before the agent does (remote/bootstrap/): the boot program runs the
+# agent's copy in workdir/agent/<hash> once it has checked that no other user could have changed the workdir
+# or the copy and that the copy is intact (exit _MISSING_RC: not there, _DAMAGED_RC: damaged); the upload
+# program installs that copy. The boot program gets its refusal texts (words.py) as an argument of their own.
+_CONSTANTS = f"PROTOCOL = {PROTOCOL}\nMISSING = {_MISSING_RC}\nDAMAGED = {_DAMAGED_RC}\n"
 
-# Installs the archive from stdin (no SFTP: works through pct too): checked against its hash, unpacked
-# beside its place, compiled with the host's own interpreter, then renamed into workdir/agent/<hash> in
-# one step, so a concurrent upload or a dropped connection never leaves half an agent where _BOOT looks.
-# Copies beyond the newest few (and an hour old) are pruned, as are the one-file agents of older dynctls.
-_UPLOAD = (
-    "import compileall,hashlib,io,os,py_compile,shutil,sys,time,zipfile\n"
-    "w=os.path.expanduser(sys.argv[1]);h=sys.argv[2];a=os.path.join(w,'agent');d=os.path.join(a,h)\n"
-    "t=os.path.join(a,'.tmp-%s-%d'%(h,os.getpid()))\n"
-    "if sys.version_info<(3,9):\n"
-    " sys.stderr.write('the dynctl agent needs Python 3.9 or later; %s is %d.%d\\n'%(sys.executable,"
-    "sys.version_info[0],sys.version_info[1]));sys.exit(3)\n"
-    "data=sys.stdin.buffer.read()\n"
-    "if hashlib.sha256(data).hexdigest()[:16]!=h:\n"
-    " sys.stderr.write('the dynctl agent arrived damaged (%d bytes); nothing was written\\n'%len(data));sys.exit(3)\n"
-    "os.umask(0o077)\n"
-    "try:\n"
-    " os.makedirs(a,exist_ok=True)\n"
-    " if not os.path.isdir(d):\n"
-    "  zipfile.ZipFile(io.BytesIO(data)).extractall(t)\n"
-    "  if not compileall.compile_dir(t,quiet=2,invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH):\n"
-    "   raise OSError(0,'%s cannot compile it'%sys.executable)\n"
-    "  try: os.rename(t,d)\n"
-    "  except OSError:\n"
-    "   if not os.path.isdir(d): raise\n"
-    "except OSError as e:\n"
-    " shutil.rmtree(t,ignore_errors=True)\n"
-    " try: os.rmdir(a)\n"
-    " except OSError: pass\n"
-    " sys.stderr.write('cannot write the dynctl agent into %s: %s\\n'%(w,e.strerror or e));sys.exit(3)\n"
-    "shutil.rmtree(t,ignore_errors=True)\n"
-    "def gone(n):\n"
-    " try: os.kill(int(n.rsplit('-',1)[1]),0)\n"
-    " except ProcessLookupError: return True\n"
-    " except (OSError,ValueError): pass\n"
-    " return False\n"
-    "old=sorted((os.stat(os.path.join(a,n)).st_mtime,n) for n in os.listdir(a) if len(n)==16)[::-1][3:]\n"
-    "for m,n in old:\n"
-    " if n!=h and time.time()-m>3600: shutil.rmtree(os.path.join(a,n),ignore_errors=True)\n"
-    "for n in os.listdir(a):\n"
-    " if n.startswith('.tmp-') and gone(n): shutil.rmtree(os.path.join(a,n),ignore_errors=True)\n"
-    "for n in os.listdir(w):\n"
-    " if n.startswith('agent-') and (n.endswith(('.py','.pyc')) or '.py.tmp.' in n):\n"
-    "  try: os.unlink(os.path.join(w,n))\n"
-    "  except OSError: pass\n"
-)
+
+def boot_argv(python: str, workdir: str) -> list[str]:
+    return [python, "-c", _CONSTANTS + resources.host_program("checks", "boot"), workdir, resources.agent_digest(),
+            resources.host_program("words")]
+
+
+def upload_argv(python: str, workdir: str, repair: bool = False) -> list[str]:
+    return [python, "-c", resources.host_program("checks", "words", "upload"), workdir, resources.agent_digest(),
+            *(["repair"] * repair)]
 
 
 class AgentError(DynctlError):
@@ -126,13 +84,15 @@ class AgentClient:
     def _boot_argv(self) -> list[str]:
         # The host's env is applied by the agent to what it runs (with $VARS expanded there), not here:
         # `env PATH=/x:${PATH}` would hand the agent a literal "${PATH}".
-        return [self.host.python, "-c", _BOOT, self.host.workdir, resources.agent_digest()]
+        return boot_argv(self.host.python, self.host.workdir)
 
-    def upload(self) -> None:
-        argv = [self.host.python, "-c", _UPLOAD, self.host.workdir, resources.agent_digest()]
+    def upload(self, repair: bool = False) -> None:
+        """Install the agent unless an intact copy is there; `repair`: replace the copy in any case."""
+        argv = upload_argv(self.host.python, self.host.workdir, repair)
         self.round_trips += 1
         res = self.transport.run(argv, stdin=resources.agent_archive(), timeout=self.timeout)
-        if res.rc == 127 or b"No such file" in res.err and not res.out:
+        # exit 3: the upload program's own refusal, whatever its text says
+        if res.rc == 127 or (res.rc != 3 and b"No such file" in res.err and not res.out):
             raise PreflightError(
                 f"{self.host.name}: python interpreter '{self.host.python}' not found "
                 f"({self.transport.description}); set hosts.{self.host.name}.python"
@@ -191,14 +151,18 @@ class AgentClient:
         for attempt in (1, 2):
             self.round_trips += 1
             res = self.transport.run(self._boot_argv(), stdin=request, timeout=self.timeout)
-            if res.rc == _MISSING_RC and attempt == 1:
-                self.upload()
+            if res.rc in (_MISSING_RC, _DAMAGED_RC) and attempt == 1:
+                self.upload(repair=res.rc == _DAMAGED_RC)
                 continue
             return self._parse(verb, res.rc, res.out, res.err)
         raise OperationFailed(f"{self.host.name}: the agent vanished right after upload")
 
     def _parse(self, verb: str, rc: int, out: bytes, err: bytes) -> dict[str, Any]:
         lines = [ln for ln in out.decode("utf-8", "replace").splitlines() if ln.strip()]
+        if rc == _DAMAGED_RC and not lines:
+            raise PreflightError(f"{self.host.name}: {err.decode('utf-8', 'replace').strip()[-800:]}; installing the "
+                                 f"agent again did not repair it: check the disk under {self.host.workdir}, or remove "
+                                 f"{self.host.workdir}/agent for a fresh copy; nothing was changed")
         if rc == 127 or (not lines and b"not found" in err):
             raise PreflightError(
                 f"{self.host.name}: python interpreter '{self.host.python}' not found "
@@ -242,9 +206,13 @@ class AgentClient:
                     yield item
             finally:
                 stream.close()
-            if not got_any and stream.rc == _MISSING_RC and attempt == 1:
-                self.upload()
+            if not got_any and stream.rc in (_MISSING_RC, _DAMAGED_RC) and attempt == 1:
+                self.upload(repair=stream.rc == _DAMAGED_RC)
                 continue
+            if not got_any and stream.rc == _DAMAGED_RC:
+                raise PreflightError(f"{self.host.name}: the dynctl agent in {self.host.workdir}/agent is damaged and "
+                                     "installing it again did not repair it (`dynctl hosts` shows why); nothing was "
+                                     "changed")
             if stream.rc is None or stream.rc < 0:  # no exit status: the connection went away
                 raise UnreachableError(f"{self.host.name}: connection lost during agent stream '{verb}'")
             raise OperationFailed(f"{self.host.name}: agent stream '{verb}' ended early (rc {stream.rc})")

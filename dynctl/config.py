@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import posixpath
 import re
 import tomllib
 from dataclasses import dataclass, field, replace
@@ -186,10 +187,17 @@ _HOST_KEYS = {
 def workdir_problem(workdir: str) -> str | None:
     """Why `workdir` cannot be one, or None. One rule for every transport: absolute, or under the remote
     home as ~/...; a relative path would follow whatever directory dynctl happened to run in (the client's
-    cwd locally, the login or container home over SSH and pct), so two shells could split a host's lock."""
-    if workdir.startswith("/") or _HOME_PATH.match(workdir):
-        return None
-    return f"'{workdir}' is relative: use an absolute path, or ~/... for the home directory on the host"
+    cwd locally, the login or container home over SSH and pct), so two shells could split a host's lock.
+    Nor the home directory itself or /: dynctl keeps its lock, journal and agent copies in the workdir and
+    cleans up after itself there."""
+    if not (workdir.startswith("/") or _HOME_PATH.match(workdir)):
+        return f"'{workdir}' is relative: use an absolute path, or ~/... for the home directory on the host"
+    norm = posixpath.normpath(workdir)
+    if not norm.strip("/") or re.fullmatch(r"~[A-Za-z0-9_.-]*", norm):
+        return (f"'{workdir}' is {'the root directory' if norm.startswith('/') else 'the home directory'} itself, where dynctl "
+                "would keep its lock, journal and agent copies and clean up after itself: use a directory of its "
+                "own, such as ~/.dynctl")
+    return None
 
 
 def _parse_host(name: str, raw: Any, where: str) -> HostConfig:

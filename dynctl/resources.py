@@ -6,6 +6,7 @@ packaged as `dynctl/_remote` and `dynctl/_patches`.
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import io
 import zipfile
@@ -26,6 +27,21 @@ def _shipped_dir(checkout_name: str, wheel_name: str, marker: str) -> Path:
 def remote_dir() -> Path:
     """The folder that holds the agent package `dynctl_agent/` (put it on sys.path to import it)."""
     return _shipped_dir("remote", "_remote", "dynctl_agent/__main__.py")
+
+
+@cache
+def host_program(*names: str) -> str:
+    """The programs of remote/bootstrap/ named (checks, words, boot, upload) as one, stripped for the wire:
+    their comments and docstrings are for readers, and the host compiles what it is sent on every call."""
+    tree = ast.Module(body=[], type_ignores=[])
+    for name in names:
+        tree.body += ast.parse((remote_dir() / "bootstrap" / f"{name}.py").read_text(encoding="utf-8")).body
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (isinstance(body, list) and body and isinstance(body[0], ast.Expr)
+                and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str)):
+            body[:1] = [] if len(body) > 1 else [ast.Pass()]
+    return ast.unparse(tree) + "\n"
 
 
 def patches_dir() -> Path:

@@ -112,7 +112,7 @@ def test_a_dropped_or_damaged_upload_leaves_no_agent(tmp_path):
     written, and the unpacking a killed upload left behind is swept by the next one."""
     work = tmp_path / "work"
     agent = make_agent(tmp_path)
-    argv = [sys.executable, "-c", agent_module()._UPLOAD, str(work), resources.agent_digest()]
+    argv = agent_module().upload_argv(sys.executable, str(work))
     cut = subprocess.run(argv, input=resources.agent_archive()[:5000], capture_output=True, timeout=60)
     assert cut.returncode == 3 and b"arrived damaged" in cut.stderr
     assert not installed(work).exists()

@@ -299,7 +299,7 @@ def test_disk_full_while_reverting_reverts_nothing(make_box):
 def test_disk_full_workdir_refuses_the_agent_upload_and_leaves_no_temp_file(make_box):
     pbox = make_box("0.5.9")
     pbox.workdir.mkdir()
-    with _mounted([["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(pbox.workdir)]], pbox.workdir):
+    with _mounted([["mount", "-t", "tmpfs", "-o", "size=64k,mode=0700", "tmpfs", str(pbox.workdir)]], pbox.workdir):
         with pytest.raises(PreflightError) as err:
             pbox.agent.call("releases")
         left = os.listdir(pbox.workdir)
@@ -315,7 +315,7 @@ def test_disk_full_workdir_refuses_the_deploy_naming_the_disk(local_demo):
     plan = core.plan_deploy(agent, host, 5)  # uploads the agent while there is room
     saved = workdir.parent / "agent-saved"
     shutil.copytree(workdir / "agent", saved)
-    with _mounted([["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(workdir)]], workdir):
+    with _mounted([["mount", "-t", "tmpfs", "-o", "size=2m,mode=0700", "tmpfs", str(workdir)]], workdir):
         shutil.copytree(saved, workdir / "agent")
         filler = workdir / "filler"
         with open(filler, "wb") as f, pytest.raises(OSError):
@@ -341,7 +341,7 @@ def test_disk_full_while_backing_up_during_a_deploy_exits_3(local_demo):
     releases = Path(host.workdir) / "releases"
     releases.mkdir(parents=True, exist_ok=True)
     plan = core.plan_deploy(agent, host, 5)
-    with _mounted([["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(releases)]], releases):
+    with _mounted([["mount", "-t", "tmpfs", "-o", "size=64k,mode=0700", "tmpfs", str(releases)]], releases):
         with pytest.raises(PreflightError) as err:
             core.deploy(agent, plan, ready_timeout=60)
         assert os.listdir(releases) == []
@@ -369,7 +369,8 @@ def test_old_releases_and_operation_records_are_pruned_to_keep_history(make_box)
 
     ops = pbox.workdir / "ops"
     ops.mkdir(exist_ok=True)
-    stale = [ops / "x.json.tmp.999999999", pbox.workdir / "state.json.tmp.999999999"]  # what killed writers leave
+    stale = [ops / "20261201T000000-rollback-abcdef.json.tmp.999999999",  # what killed writers leave
+             pbox.workdir / "state.json.tmp.999999999"]
     for path in stale:
         path.write_text("{")
     for _ in range(4):

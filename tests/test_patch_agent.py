@@ -260,7 +260,7 @@ def test_disk_full_while_backing_up_swaps_nothing(make_box) -> None:
     box = make_box("0.5.12")
     releases = box.workdir / "releases"
     releases.mkdir(parents=True)
-    with _mounted([["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(releases)]], releases):
+    with _mounted([["mount", "-t", "tmpfs", "-o", "size=64k,mode=0700", "tmpfs", str(releases)]], releases):
         with pytest.raises(AgentError) as err:
             apply_plan(box.agent, plan_for_apply(read_patch_state(box.agent)))
         # nothing was swapped, so nothing changed: a pre-flight refusal (3), not a failed operation (1)

@@ -35,7 +35,10 @@ from dynctl_agent.protocol import AgentError
 ID = re.compile(r"^\d{8}T\d{6}-[a-z]+-[0-9a-f]{6,32}$")
 GONE_S = 2.0  # how long a follower waits for a worker it cannot see before it calls it gone
 ROOM = 1 << 20  # free bytes an operation wants in workdir on top of its request (events, journal, state)
-TMP_NAME = re.compile(r"\.tmp\.(\d+)$")
+# the temp files store.write_json_atomic and releases.update_current leave when killed: these names only, never
+# a file of the operator's that merely ends in .tmp.<pid>
+TMP_NAMES = {"": re.compile(r"^(?:server\.json|state\.json|lock|current)\.tmp\.(\d+)\Z"),
+             "ops": re.compile(r"^\d{8}T\d{6}-[a-z]+-[0-9a-f]{6,32}\.json\.tmp\.(\d+)\Z")}
 EVENTS_CAP = 8 << 20  # a start that logs for 15 minutes must not fill the disk with its echo
 
 
@@ -172,10 +175,11 @@ def room_check(ctx, kind, request):
 def prune(ctx, keep_id=None):
     """Keep the newest ctx.keep operation records, never the running one; drop temp files of dead writers."""
     removed = []
-    for folder in (ctx.workdir, ctx.path("ops")):  # temp files of writers killed half way (state, pidfile, ...)
+    for sub, tmp_name in TMP_NAMES.items():  # temp files of writers killed half way (state, pidfile, ...)
+        folder = ctx.path(sub) if sub else ctx.workdir
         with contextlib.suppress(OSError):
             for name in os.listdir(folder):
-                m = TMP_NAME.search(name)
+                m = tmp_name.match(name)
                 if m and not procfs.alive(int(m.group(1))):
                     with contextlib.suppress(OSError):
                         os.unlink(os.path.join(folder, name))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import getpass
 import os
 import socket
+import stat
 import sys
 
 PROTOCOL = 1
@@ -65,6 +66,56 @@ class Context:
     def path(self, *parts):
         return os.path.join(self.workdir, *parts)
 
+    def untrusted_record(self):
+        """Why a record in workdir could hold another user's words, or None. server.json names what `stop`
+        signals, the lock who holds the host, releases/ what a rollback writes back into sglang: each must
+        be a file or directory of the effective user alone, as the boot program requires of the workdir."""
+        uid = os.geteuid()
+        todo = [self.path(name) for name in RECORDS]
+        while todo:
+            path = todo.pop()
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                continue
+            if stat.S_ISLNK(st.st_mode):
+                why = "%s is a symlink (to %s), which dynctl never writes" % (path, os.readlink(path))
+            elif st.st_uid != uid:
+                why = "%s is owned by %s, not by %s (mode %04o)" % (path, _who(st.st_uid), _who(uid),
+                                                                   stat.S_IMODE(st.st_mode))
+            elif st.st_mode & 0o022:
+                why = "%s is %s-writable (mode %04o, owner %s)" % (
+                    path, "world" if st.st_mode & 0o002 else "group", stat.S_IMODE(st.st_mode), _who(st.st_uid))
+            elif stat.S_ISDIR(st.st_mode):
+                todo += [os.path.join(path, name) for name in os.listdir(path)]
+                continue
+            else:
+                continue
+            return ("refusing workdir %s: %s; another user could change what dynctl trusts there. Check what is "
+                    "in it, then make it yours alone (chown -R %s %s && chmod -R go-w %s), or point the host's "
+                    "workdir at a directory of your own; nothing was changed"
+                    % (self.workdir, why, _name(uid), self.workdir, self.workdir))
+        return None
+
+
+# What the agent keeps in workdir and reads back as its own (agent/ is the boot program's to check).
+RECORDS = ("lock", "server.json", "state.json", "current", "journal.jsonl", "journal.jsonl.1", "server.log",
+           "server.log.1", "releases", "ops")
+
+
+def _name(uid):
+    try:
+        import pwd
+
+        return pwd.getpwuid(uid).pw_name
+    except (ImportError, KeyError):
+        return str(uid)
+
+
+def _who(uid):
+    name = _name(uid)
+    return "uid %d" % uid if name == str(uid) else "%s (uid %d)" % (name, uid)
+
 
 KEEP_HISTORY = 20  # finished releases and operation records kept in workdir (the config's keep_history)
 
@@ -78,8 +129,15 @@ def keep_history(value):
 
 
 def workdir_problem(workdir):
-    """Why `workdir` cannot be used, or None: a relative one would follow whatever directory the agent was
-    started in (the login or container home over SSH and pct, the client's cwd locally)."""
+    """(kind, why) when `workdir` cannot be used, or None: a relative one would follow whatever directory the
+    agent was started in (the login or container home over SSH and pct, the client's cwd locally); ~user/...
+    needs that user on this host."""
+    if workdir and workdir.startswith("~") and not os.path.isabs(os.path.expanduser(workdir)):
+        user = workdir[1:].split("/")[0]
+        if user:
+            return "preflight", "workdir %r: there is no user %r on this host; nothing was changed" % (workdir, user)
+        return "preflight", "workdir %r: the home directory of %s is unknown here; nothing was changed" % (
+            workdir, _who(os.geteuid()))
     if not workdir or not os.path.isabs(os.path.expanduser(workdir)):
-        return "workdir %r is relative: use an absolute path, or ~/... for the remote home" % (workdir,)
+        return "usage", "workdir %r is relative: use an absolute path, or ~/... for the remote home" % (workdir,)
     return None

@@ -52,6 +52,9 @@ OPS = {
 }
 
 
+DAMAGED = 96  # the exit status that has the client install this copy of the agent again
+
+
 def ping(ctx, **_):
     return {"pong": True, "time": time.time()}
 
@@ -84,14 +87,23 @@ def main():
     host = request.get("host") or {}
     problem = workdir_problem(host.get("workdir") or "~/.dynctl")
     if problem:
-        _answer({"ok": False, "kind": "usage", "error": problem, "done": True})
-        return 2
+        _answer({"ok": False, "kind": problem[0], "error": problem[1], "changed": False, "done": True})
+        return 2 if problem[0] == "usage" else 1
     params = request.get("params") or {}
     ctx = None
     streams = VERBS[name][2]
     try:
         ctx = Context(host, request.get("client") or {})
-        fn = load(VERBS[name])
+        untrusted = ctx.untrusted_record()
+        if untrusted:
+            raise AgentError(untrusted, "preflight")
+        try:
+            fn = load(VERBS[name])
+        except Exception as err:  # a module of this copy that does not load: the client installs it again
+            sys.stderr.write("the dynctl agent in %s does not load %s: %s: %s\n"
+                             % (os.path.dirname(os.path.dirname(os.path.abspath(__file__))), VERBS[name][0],
+                                type(err).__name__, err))
+            return DAMAGED
         if streams:
             for item in fn(ctx, **params):
                 _answer(item)
