@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -115,3 +116,19 @@ def test_nvidia_smi_loop_keeps_printing(demo):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_demo_host_made_under_a_group_writable_umask_is_private(tmp_path):
+    """The directories the demo creates are 0700 whatever the umask, so the agent's ownership checks
+    (which refuse a workdir others could write to, or under one) accept it."""
+    sglang_wheel("0.5.9")
+    before = stat.S_IMODE(tmp_path.stat().st_mode)
+    old = os.umask(0o002)
+    try:
+        root = tmp_path / "share" / "dynctl" / "demo"
+        entry = prepare_demo_host(root, port=free_port(), cache_dir=cache_dir(), time_scale=50)
+    finally:
+        os.umask(old)
+    for path in (tmp_path / "share", tmp_path / "share" / "dynctl", root, Path(entry["workdir"])):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o700, path
+    assert stat.S_IMODE(tmp_path.stat().st_mode) == before  # a directory that existed is left as it was

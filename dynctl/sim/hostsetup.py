@@ -39,6 +39,18 @@ def demo_args() -> list[str]:
             "--max-running-requests", "256"]
 
 
+def _make_private_dirs(path: Path) -> None:
+    """mkdir -p with 0700 for every directory it creates, whatever the umask: the agent refuses a workdir
+    that others could write to, or under such a directory."""
+    missing = []
+    while not path.exists():
+        missing.append(path)
+        path = path.parent
+    for p in reversed(missing):
+        p.mkdir(mode=0o700, exist_ok=True)
+        os.chmod(p, 0o700)
+
+
 def prepare_demo_host(root: Path, sglang_version: str = "0.5.9", port: int = 30000, *,
                       cache_dir: Path | None = None, time_scale: float = 1.0, gpu_count: int = 8,
                       reset: bool = False) -> dict[str, Any]:
@@ -50,7 +62,7 @@ def prepare_demo_host(root: Path, sglang_version: str = "0.5.9", port: int = 300
     cache = Path(cache_dir).expanduser().resolve() if cache_dir else root / "cache"
     site, bindir, gpu_dir, work = root / "site", root / "bin", root / "gpu", root / "work"
     for path in (root, cache, bindir, gpu_dir, work):
-        path.mkdir(parents=True, exist_ok=True)
+        _make_private_dirs(path)
     installed = _installed_version(site)
     if reset or installed != sglang_version:
         wheel = fetch_wheel(sglang_version, cache)
