@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
 
 from dynctl_agent import lock, releases, servers, shutdown, startup
-from dynctl_agent.protocol import AgentError
+from dynctl_agent.protocol import AgentError, seconds
 
 
 def _no_extra(name, extra):
@@ -20,8 +21,14 @@ def server_find(ctx, **extra):
 
 def server_stop(ctx, grace=60, port_timeout=30, gpu_timeout=60, pid=None, pid_start=None, **extra):
     _no_extra("server_stop", extra)
-    with lock.host_lock(ctx, "stop"), lock.hangup_shield():
-        return shutdown.stop_server(ctx, float(grace), float(port_timeout), float(gpu_timeout), pid, pid_start)
+    waits = seconds("grace", grace), seconds("port_timeout", port_timeout), seconds("gpu_timeout", gpu_timeout)
+    # A stop, once begun, runs to its end (SIGTERM, grace, SIGKILL, sweep): a dropped channel or a Ctrl-C that
+    # reaches this process does not cut it between its signals, and a full disk does not prevent it.
+    with lock.host_lock(ctx, "stop", best_effort=True) as holder, lock.hangup_shield(signal.SIGINT):
+        result = shutdown.stop_server(ctx, *waits, pid=pid, pid_start=pid_start)
+    if holder.get("unrecorded"):
+        result.setdefault("warnings", []).append("%s: stopped without it" % holder["unrecorded"])
+    return result
 
 
 def _resolve_launch(ctx, argv, release, baseline_argv):
@@ -61,13 +68,14 @@ def _raise_failed(items):
 
 def server_wait_ready(ctx, ready_timeout=900, generate=True, **extra):
     _no_extra("server_wait_ready", extra)
-    return _raise_failed(startup.wait_ready(ctx, float(ready_timeout), bool(generate)))
+    return _raise_failed(startup.wait_ready(ctx, seconds("ready_timeout", ready_timeout), bool(generate)))
 
 
 def server_restart(ctx, argv=None, env=None, release=None, grace=60, ready_timeout=900, baseline_argv=None,
                         **extra):
     """stop → start → wait_ready in one agent process, so a dropped connection cannot leave it between."""
     _no_extra("server_restart", extra)
+    grace, ready_timeout = seconds("grace", grace), seconds("ready_timeout", ready_timeout)
     with lock.host_lock(ctx, "restart"):
         with lock.hangup_shield():
             rec = servers.read_pidfile(ctx) or {}
@@ -81,7 +89,7 @@ def server_restart(ctx, argv=None, env=None, release=None, grace=60, ready_timeo
             if env is None and rec.get("argv") == argv:
                 env = rec.get("env")
             servers.preflight(ctx, servers.locate(ctx), "restart")
-            stopped = shutdown.stop_server(ctx, float(grace))
+            stopped = shutdown.stop_server(ctx, grace)
             try:
                 started = startup.start_server(ctx, argv, env, release)
             except AgentError as err:
@@ -92,7 +100,7 @@ def server_restart(ctx, argv=None, env=None, release=None, grace=60, ready_timeo
             started["launch"] = how
         yield {"ok": True, "event": "stopped", "result": stopped}
         yield {"ok": True, "event": "started", "result": started}
-        for item in _raise_failed(startup.wait_ready(ctx, float(ready_timeout))):
+        for item in _raise_failed(startup.wait_ready(ctx, ready_timeout)):
             yield item
 
 

@@ -27,6 +27,11 @@ def start_server(ctx, argv, env=None, release=None):
     env = env or {}
     if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
         raise AgentError("start needs env as a table of strings, got %r" % (env,), "usage")
+    for where, text in [("argv[%d]" % i, a) for i, a in enumerate(argv)] + [
+            ("env %s" % k, k + "=" + v) for k, v in sorted(env.items())]:
+        if "\0" in text:
+            raise AgentError("start: %s contains a NUL byte, which no command line or environment can carry"
+                             % where, "usage")
     port = servers.argv_port(argv)
     if port is not None and port != str(ctx.port):
         raise AgentError("argv says --port %s but this host's port is %d" % (port, ctx.port), "usage")
@@ -210,7 +215,8 @@ def wait_ready(ctx, ready_timeout=900.0, generate=True, poll=0.1):
             if result.get("ready"):
                 elapsed = round(time.monotonic() - t0, 3)
                 store.journal(ctx, "ready.ok", pid=pid, elapsed=elapsed)
-                servers.mark_pidfile(ctx, {"pid": pid}, ready_at=store.now_iso())
+                with contextlib.suppress(OSError):  # a record; the server serves whether or not it lands
+                    servers.mark_pidfile(ctx, {"pid": pid}, ready_at=store.now_iso())
                 yield {"event": "ready", "pid": pid, "elapsed": elapsed, "generate": result.get("generate")}
                 return
             # probe often while a start is young (a fast server's readiness is seen at once), then back off
