@@ -144,6 +144,46 @@ def test_the_workdir_disk_filling_during_the_stop_rolls_back_and_says_so(demo_bo
     assert not alive(pid)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("verb", ["rollback", "restart"])
+def test_a_rollback_or_restart_whose_disk_fills_during_the_stop_still_ends_serving(demo_box, verb):
+    """The room a worker keeps from its start is given back when it begins to change the host: the revert's
+    records, the new server's log and its pidfile still fit on a disk that filled during the drain."""
+    config = demo_box(via="local", DYNCTL_SIM_IGNORE_SIGTERM="1")  # every server drains for the whole grace
+    workdir = Path(session(config).host.workdir)
+    session(config).agent.call("ping")
+    with tmpfs(workdir, "16m"):
+        start_server(config)
+        pristine = tree_sha256(config)
+        if verb == "rollback":
+            first = dynctl("deploy", "--threshold", "5", "--yes", "--grace", "1", "--soak", "0", config=config)
+            assert first.returncode == 0, first.stdout + first.stderr
+        pid = server_pid(config)
+        proc = subprocess.Popen([sys.executable, "-m", "dynctl", verb, "--yes", "--grace", "4", "--config", str(config)]
+                                + (["--soak", "0"] if verb == "rollback" else []),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+        filler = None
+        try:
+            wait_for(lambda: signalled(workdir, pid, "SIGTERM"), 120, f"the {verb}'s SIGTERM to the server")
+            filler = fill(workdir)
+            out, err = proc.communicate(timeout=240)
+            said = one_line(out + err)
+            after = tree_sha256(config)
+            now = server_pid(config)
+            serving = server_info(config)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            if filler is not None:
+                filler.unlink()
+            dynctl("stop", "--yes", "--grace", "1", config=config)  # nothing may hold the tmpfs at umount
+    assert proc.returncode == 0, said
+    assert ("rolled back" if verb == "rollback" else "restarted the server") in said
+    assert after == pristine
+    assert now not in (None, pid) and serving is not None
+
+
 def test_the_final_word_reaches_the_follower_when_the_event_log_cannot_take_it(tmp_path):
     """The worker reserves its final word's room when it starts: on a disk that filled since, the final goes
     there, and op_follow, op_detach and op_list read it."""
@@ -318,6 +358,13 @@ def test_the_client_and_the_agent_bound_the_waits_alike():
     assert LIMITS["soak"][1] == core.MAX_SOAK_S
 
 
+@pytest.fixture(scope="module")
+def bare_agent(tmp_path_factory: pytest.TempPathFactory) -> AgentClient:
+    """The real agent on this machine, for a workdir that holds nothing but the agent (uploaded once)."""
+    workdir = tmp_path_factory.mktemp("bare") / "wd"
+    return AgentClient(Local(), HostConfig(name="box", python=sys.executable, workdir=str(workdir), port=free_port()))
+
+
 @pytest.mark.parametrize("value", [math.inf, math.nan, 1e400, -1.0, 1e9])
 @pytest.mark.parametrize(("verb", "params"), [
     ("server_stop", {"grace": "X"}),
@@ -328,12 +375,11 @@ def test_the_client_and_the_agent_bound_the_waits_alike():
     ("op_start", {"kind": "rollback", "params": {"grace": "X"}}),
     ("op_start", {"kind": "restart", "params": {"ready_timeout": "X"}}),
 ])
-def test_the_agent_refuses_an_unbounded_wait_before_it_changes_anything(tmp_path: Path, verb: str, params: dict,
-                                                                         value: float):
+def test_the_agent_refuses_an_unbounded_wait_before_it_changes_anything(bare_agent: AgentClient, verb: str,
+                                                                         params: dict, value: float):
     """The agent is an edge too: a client that skips the CLI's check gets a usage error, and nothing is claimed."""
-    workdir = tmp_path / "wd"
-    agent = AgentClient(Local(), HostConfig(name="box", python=sys.executable, workdir=str(workdir),
-                                            port=free_port()))
+    agent = bare_agent
+    workdir = Path(agent.host.workdir)
     params = json.loads(json.dumps(params).replace('"X"', json.dumps(value)))  # Infinity and NaN as JSON has them
     with pytest.raises(AgentError) as err:
         if verb in ("server_wait_ready", "server_restart"):
@@ -342,8 +388,8 @@ def test_the_agent_refuses_an_unbounded_wait_before_it_changes_anything(tmp_path
             agent.call(verb, **params)
     assert err.value.exit_code == 2, err.value
     assert "must be a finite number of seconds" in str(err.value) and "nothing was changed" in str(err.value)
-    assert not (workdir / "ops").exists() or list((workdir / "ops").iterdir()) == []
-    assert not (workdir / "lock").exists()
+    assert not (workdir / "ops").exists()
+    assert not (workdir / "lock").exists() and not (workdir / "journal.jsonl").exists()
 
 
 # =========================================================================== config values no host can run

@@ -307,6 +307,7 @@ def op_rollback(ctx, oplog, baseline_argv, to=None, grace=60, ready_timeout=900,
             oplog.emit("info", text=shutdown.summary(stopped))
             if stopped.get("stopped"):
                 done.append("stopped the server")
+        oplog.release_room()  # the room kept for undoing a change: the reverts' records and the start use it
         for m in newer:
             with oplog.step("revert", "release %s" % m["id"]):
                 patch.revert_release(ctx, m["id"])

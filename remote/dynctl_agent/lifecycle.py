@@ -75,6 +75,10 @@ def server_restart(ctx, argv=None, env=None, release=None, grace=60, ready_timeo
                         **extra):
     """stop → start → wait_ready in one agent process, so a dropped connection cannot leave it between."""
     _no_extra("server_restart", extra)
+    return _restart(ctx, argv, env, release, grace, ready_timeout, baseline_argv)
+
+
+def _restart(ctx, argv, env, release, grace, ready_timeout, baseline_argv, stopped_hook=None):
     grace, ready_timeout = seconds("grace", grace), seconds("ready_timeout", ready_timeout)
     with lock.host_lock(ctx, "restart"):
         with lock.hangup_shield():
@@ -90,18 +94,26 @@ def server_restart(ctx, argv=None, env=None, release=None, grace=60, ready_timeo
                 env = rec.get("env")
             servers.preflight(ctx, servers.locate(ctx), "restart")
             stopped = shutdown.stop_server(ctx, grace)
+            if stopped_hook is not None:
+                stopped_hook()
             try:
                 started = startup.start_server(ctx, argv, env, release)
-            except AgentError as err:
-                if not ctx.changed:
+            except Exception as err:  # a refusal, or a disk too full for the log: the server stays stopped
+                if isinstance(err, AgentError) and not ctx.changed:
                     raise
+                why = err if isinstance(err, AgentError) else "%s: %s" % (type(err).__name__,
+                                                                         getattr(err, "strerror", None) or err)
                 raise AgentError("restart: %s, but the new server was not started: %s"
-                                 % (shutdown.summary(stopped), err), "failed", **err.extra)
+                                 % (shutdown.summary(stopped), why), "failed",
+                                 **(err.extra if isinstance(err, AgentError) else {}))
             started["launch"] = how
         yield {"ok": True, "event": "stopped", "result": stopped}
         yield {"ok": True, "event": "started", "result": started}
         for item in _raise_failed(startup.wait_ready(ctx, ready_timeout)):
             yield item
+
+
+_RESTART_PARAMS = {"argv": None, "env": None, "release": None, "grace": 60, "ready_timeout": 900, "baseline_argv": None}
 
 
 def server_logs(ctx, lines=200, **extra):
@@ -117,7 +129,10 @@ def server_logs_follow(ctx, lines=20, max_seconds=None, **extra):
 
 def op_restart(ctx, oplog, **params):
     """The restart verb's stop → start → ready, run by the worker: its items become the operation's events."""
-    for item in server_restart(ctx, **params):
+    _no_extra("restart", {k: v for k, v in params.items() if k not in _RESTART_PARAMS})
+    args = [params.get(k, d) for k, d in _RESTART_PARAMS.items()]
+    # a restart has nothing to roll back to: once stopped, its start may use the room kept for undoing
+    for item in _restart(ctx, *args, stopped_hook=oplog.release_room):
         kind = item.get("event")
         if kind == "ready":
             return {k: v for k, v in item.items() if k not in ("ok", "event")}
