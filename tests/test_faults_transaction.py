@@ -18,6 +18,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 from demo_box import dynctl, server_info, server_pid, session, tree_sha256
 from polling import alive, wait_for
@@ -286,6 +287,38 @@ def test_the_server_is_stopped_through_dynctl_on_a_full_workdir_disk(demo_box):
     said = one_line(out.stdout + out.stderr)
     assert gone and "sent SIGKILL" in said
     assert "could not be written (No space left on device): stopped without it" in said
+    assert left == []
+
+
+def servers_on(port: int) -> list[psutil.Process]:
+    """Processes started for this test's port (its own free port: nobody else's)."""
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        argv = p.info["cmdline"] or []
+        if "--port" in argv and argv[argv.index("--port") + 1:][:1] == [str(port)]:
+            found.append(p)
+    return found
+
+
+@pytest.mark.slow
+def test_a_server_whose_pidfile_cannot_be_written_is_not_left_running(demo_box):
+    """A server dynctl cannot record is one it could never find or stop again: it is ended at once, and the
+    start is refused saying so (here the pidfile's place is taken by a directory)."""
+    config = demo_box(via="local")
+    host = session(config).host
+    workdir = Path(host.workdir)
+    session(config).agent.call("ping")
+    (workdir / "server.json").mkdir()
+    try:
+        out = dynctl("start", "--yes", config=config)
+        left = wait_for(lambda: servers_on(host.port) == [] or None, 10, "no server left running") and []
+    finally:
+        for proc in servers_on(host.port):
+            proc.kill()
+        (workdir / "server.json").rmdir()
+    said = one_line(out.stdout + out.stderr)
+    assert out.returncode == 3, said
+    assert "cannot record the new server" in said and "stopped again at once" in said and "nothing was started" in said
     assert left == []
 
 

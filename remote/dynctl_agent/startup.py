@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import threading
 import time
@@ -74,7 +75,14 @@ def start_server(ctx, argv, env=None, release=None):
     record = {"pid": proc.pid, "pid_start": st.get("start"), "pgid": st.get("pgid"), "sid": st.get("sid"),
               "argv": argv, "port": ctx.port, "started": store.now_iso(), "release": release, "marker": marker,
               "log": log_path, "log_offset": offset, "env": env, "who": ctx.who}
-    servers.write_pidfile(ctx, record)
+    try:
+        servers.write_pidfile(ctx, record)
+    except OSError as err:  # a server dynctl cannot find again is one it cannot stop: end it while it is provably ours
+        with contextlib.suppress(OSError):
+            os.killpg(proc.pid, signal.SIGKILL)  # its own session and group: it and whatever it forked so far
+        proc.wait()
+        raise AgentError("cannot record the new server in %s: %s; it was stopped again at once (pid %d), so nothing "
+                         "was started" % (ctx.path(servers.PIDFILE), err.strerror or err, proc.pid), "preflight")
     ctx.changed = True
     store.journal(ctx, "start.spawned", pid=proc.pid, argv=argv, release=release, env_keys=sorted(env))
     return dict(record, already_running=False)
