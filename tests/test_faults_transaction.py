@@ -108,10 +108,11 @@ def test_a_start_that_raises_after_the_switch_rolls_back_and_restarts_the_previo
 
 
 @pytest.mark.slow
-def test_the_workdir_disk_filling_during_the_stop_rolls_back_and_says_so(demo_box):
+@pytest.mark.parametrize("via", ["local", "pct"])
+def test_the_workdir_disk_filling_during_the_stop_rolls_back_and_says_so(demo_box, via):
     """The workdir's disk fills while the old server drains: the start of the new one cannot write its log, and
     the rollback still reverts the release, starts the previous server and tells the client what it did."""
-    config = demo_box(via="local")
+    config = demo_box(via=via)
     workdir = Path(session(config).host.workdir)
     session(config).agent.call("ping")  # the agent unpacked before the tmpfs goes over the workdir
     with tmpfs(workdir, "16m"):
@@ -267,10 +268,11 @@ def test_ops_follow_reads_past_a_torn_event_line(local_demo, tmp_path):
 
 
 @pytest.mark.slow
-def test_the_server_is_stopped_through_dynctl_on_a_full_workdir_disk(demo_box):
+@pytest.mark.parametrize("via", ["local", "pct"])
+def test_the_server_is_stopped_through_dynctl_on_a_full_workdir_disk(demo_box, via):
     """Neither the host lock nor the journal nor the pidfile can be written: the stop goes on without them
     (SIGTERM, grace, SIGKILL, sweep) and says what it could not record."""
-    config = demo_box(via="local")
+    config = demo_box(via=via)
     workdir = Path(session(config).host.workdir)
     session(config).agent.call("ping")
     with tmpfs(workdir, "8m"):
@@ -326,11 +328,12 @@ def test_a_server_whose_pidfile_cannot_be_written_is_not_left_running(demo_box):
 
 
 @pytest.mark.slow
-def test_ctrl_c_during_a_local_stop_lets_the_stop_finish_with_sigkill(demo_box):
+@pytest.mark.parametrize("via", ["local", "ssh", "pct"])
+def test_ctrl_c_during_a_stop_lets_the_stop_finish_with_sigkill(demo_box, via):
     """SIGINT to the whole process group of `dynctl stop` (what a terminal's Ctrl-C does) while a server that
-    ignores SIGTERM drains: the agent is not in that group, so the stop goes on to SIGKILL, and the client says
-    so instead of guessing."""
-    config = demo_box(via="local")
+    ignores SIGTERM drains: the agent is not in that group (its own session locally, sshd's over SSH), so the
+    stop goes on to SIGKILL, and the client says so instead of guessing."""
+    config = demo_box(via=via)
     workdir = Path(session(config).host.workdir)
     pid = start_server(config, "--sim-ignore-sigterm")
     proc = subprocess.Popen([sys.executable, "-m", "dynctl", "stop", "--yes", "--grace", "4", "--config", str(config)],
