@@ -1,8 +1,9 @@
 """Faults inside the host transaction and at its edges: any failure after the switch rolls back, a full workdir
 disk neither keeps a release applied nor keeps the server from being stopped, the final word reaches the
-client, torn event lines, unbounded waits, Ctrl-C during a local stop, and config values no host can run.
+client, torn event lines, unbounded waits, Ctrl-C during a stop, and config values no host can run.
 
-Real processes and signals, the demo host on this machine, real tmpfs mounts for the full disks.
+Real processes and signals, the demo host (on this machine, over SSH and in the `pct` stand-in), real tmpfs
+mounts for the full disks.
 """
 
 from __future__ import annotations
