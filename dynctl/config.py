@@ -21,6 +21,10 @@ STRATEGIES = ("auto", "patch", "native")
 _HOST_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _HOME_PATH = re.compile(r"^~[A-Za-z0-9_.-]*(/|$)")  # ~, ~/x, ~user/x: a home on the host
 _SSH_TARGET = re.compile(r"^(?:(?P<user>[^@\s]+)@)?(?P<host>\[[^\]]+\]|[^:@\s]+)(?::(?P<port>\d+))?$")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # fullmatch: "A\n" is no name (`$` would let it through)
+# Flags dynctl puts on the launch argv itself (SPEC §3): `args` that set them would fight with it.
+OWN_FLAGS = ("--port", "--enable-metrics", "--speculative-disable-batch-threshold")
+OWN_FLAG_PREFIXES = ("--speculative-adaptive",)  # --speculative-adaptive, --speculative-adaptive-config, ...
 
 
 def user_config_path() -> Path:
@@ -200,6 +204,22 @@ def workdir_problem(workdir: str) -> str | None:
     return None
 
 
+def own_flag_in(args: tuple[str, ...] | list[str]) -> str | None:
+    """The first of `args` that is a flag dynctl adds to the launch argv itself, or None."""
+    for arg in args:
+        flag = arg.partition("=")[0]
+        if flag in OWN_FLAGS or flag.startswith(OWN_FLAG_PREFIXES):
+            return flag
+    return None
+
+
+def _refuse_nul(value: str, where: str, key: str) -> None:
+    """A NUL byte cannot be part of an argv or environment string on any host: refuse it here, named."""
+    if "\0" in value:
+        raise ConfigError(f"{where}: {key}: contains a NUL byte (\\u0000) at position {value.index(chr(0))}, "
+                          "which no command line or environment can carry")
+
+
 def _parse_host(name: str, raw: Any, where: str) -> HostConfig:
     key = f"hosts.{name}"
     if not _HOST_NAME.match(name):
@@ -230,6 +250,7 @@ def _parse_host(name: str, raw: Any, where: str) -> HostConfig:
             value = _opt_str(raw, k, where, f"{key}.{k}")
             if not value:
                 raise ConfigError(f"{where}: {key}.{k}: must not be empty")
+            _refuse_nul(value, where, f"{key}.{k}")
             if k == "workdir" and (problem := workdir_problem(value)):
                 raise ConfigError(f"{where}: {key}.workdir: {problem}")
             host = replace(host, **{k: value})
@@ -248,9 +269,12 @@ def _parse_host(name: str, raw: Any, where: str) -> HostConfig:
         env = raw["env"]
         if not isinstance(env, dict) or not all(isinstance(v, (str, int, float, bool)) for v in env.values()):
             raise ConfigError(f"{where}: {key}.env: expected a table of NAME = \"value\"")
-        for var in env:
-            if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", var):
-                raise ConfigError(f"{where}: {key}.env.{var}: not a valid environment variable name")
+        for var, value in env.items():
+            if not _ENV_NAME.fullmatch(var):
+                shown = var if var.isprintable() else repr(var)
+                raise ConfigError(f"{where}: {key}.env.{shown}: not a valid environment variable name")
+            if isinstance(value, str):
+                _refuse_nul(value, where, f"{key}.env.{var}")
         host = replace(host, env={k: _env_value(v) for k, v in env.items()})
     for k in ("args", "launch"):
         if k in raw:
@@ -259,6 +283,10 @@ def _parse_host(name: str, raw: Any, where: str) -> HostConfig:
                 raise ConfigError(f"{where}: {key}.{k}: expected a list of strings")
             if k == "launch" and not value:
                 raise ConfigError(f"{where}: {key}.launch: must not be empty")
+            for i, arg in enumerate(value):
+                _refuse_nul(arg, where, f"{key}.{k}[{i}]")
+            if k == "args" and (flag := own_flag_in(value)):
+                raise ConfigError(f"{where}: {key}.args: remove {flag}; dynctl adds it itself (SPEC §3)")
             host = replace(host, **{k: tuple(value)})
     if "strategy" in raw:
         strategy = raw["strategy"]

@@ -24,6 +24,7 @@ BASELINE = "baseline"  # the rollback target that means: no release, the configu
 ADAPTIVE_CONFIG = "adaptive.json"
 # After the health gate the new server is watched this long; dying in that time rolls the deploy back.
 DEFAULT_SOAK_S = 5.0
+MAX_SOAK_S = 3600.0  # the host lock is held for the soak: an hour is the most a deploy may keep it for that
 
 
 @dataclass

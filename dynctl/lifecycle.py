@@ -16,12 +16,14 @@ from typing import Any
 
 from dynctl import events, operations
 from dynctl.agent import AgentClient, AgentError
-from dynctl.config import HostConfig
-from dynctl.errors import ConfigError, DynctlError, OperationFailed, PreflightError
+from dynctl.config import HostConfig, own_flag_in
+from dynctl.errors import ConfigError, DynctlError, Interrupted, OperationFailed, PreflightError
 from dynctl.events import EventSink
 
-# dynctl adds these itself (SPEC §3); a config that sets them would fight with it.
-_OWN_FLAGS = ("--port", "--enable-metrics")
+# The longest waits an operator may ask for; a value beyond them (inf, NaN) would hold the host lock without end.
+# The agent enforces the same bounds (dynctl_agent.protocol.LIMITS).
+MAX_GRACE_S = 3600.0  # a drain longer than an hour is a server that will not drain
+MAX_READY_TIMEOUT_S = 7200.0  # eight times the default (900 s): room for the slowest model load
 # Slack on top of the verb's own deadlines for the transport's timeout.
 _SLACK_S = 60.0
 _STOP_PORT_TIMEOUT_S = 30.0
@@ -123,9 +125,8 @@ class ServerState:
 
 def server_argv(host: HostConfig, extra: Sequence[str] = ()) -> list[str]:
     """The launch argv: configured launch + args + `extra` + the flags dynctl owns (--port, --enable-metrics)."""
-    for flag in _OWN_FLAGS:
-        if any(a == flag or a.startswith(flag + "=") for a in host.args):
-            raise ConfigError(f"hosts.{host.name}.args: remove {flag}; dynctl adds it itself (SPEC §3)")
+    if flag := own_flag_in(host.args):  # config files are checked when read; hosts built in code are not
+        raise ConfigError(f"hosts.{host.name}.args: remove {flag}; dynctl adds it itself (SPEC §3)")
     return [*host.launch_argv(), *host.args, *extra, "--port", str(host.port), "--enable-metrics"]
 
 
@@ -288,6 +289,8 @@ def stop_server(agent: AgentClient, grace: float = 60.0, on_event: EventSink = e
         except AgentError as err:
             on_event(events.Failed("stop", str(err)))
             raise
+        except KeyboardInterrupt:
+            raise stop_interrupted(agent, grace) from None
     not_ours = result.get("not_ours") or {}
     if not result.get("stopped") and not_ours.get("kind") in ("unmanaged", "operator"):
         message = f"{agent.host.name}: {result['message']}"
@@ -296,6 +299,35 @@ def stop_server(agent: AgentClient, grace: float = 60.0, on_event: EventSink = e
     for event in events.from_stop(result, time.monotonic() - t0):
         on_event(event)
     return result
+
+
+def stop_interrupted(agent: AgentClient, grace: float, settle_s: float = 3.0) -> Interrupted:
+    """After Ctrl-C during a stop: what the host says became of it. The agent runs apart from the terminal
+    (its own session, SIGINT and SIGHUP ignored while it stops), so the stop normally goes on there; the words
+    follow what the host reports, not that expectation."""
+    name = agent.host.name
+    old = agent.timeout
+    agent.timeout = min(old, 15.0)
+    deadline = time.monotonic() + settle_s
+    try:
+        while True:
+            holder = agent.call("op_current")["holder"] or {}
+            if holder.get("operation") == "stop":
+                return Interrupted(f"{name}: interrupted; the stop continues on the host (agent pid {holder.get('pid')}"
+                                   f", since {holder.get('started')}): SIGTERM, then SIGKILL after the {grace:g} s "
+                                   "grace; `dynctl status` shows the server")
+            state = find_server(agent)
+            if state.pid is None and not state.leftovers:
+                return Interrupted(f"{name}: interrupted, but the stop had already ended there: the server is down")
+            if time.monotonic() >= deadline:  # the request may never have reached the agent
+                return Interrupted(f"{name}: interrupted; no stop is running on the host and the server is still "
+                                   f"{describe(state)}: run `dynctl stop` again")
+            time.sleep(0.2)
+    except (DynctlError, KeyboardInterrupt) as err:
+        return Interrupted(f"{name}: interrupted; could not ask the host what became of the stop "
+                           f"({err or 'interrupted again'}): `dynctl status` shows the server")
+    finally:
+        agent.timeout = old
 
 
 def start_server(agent: AgentClient, argv: Sequence[str] | None, env: dict[str, str] | None = None,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import re
 import sys
 from collections.abc import Callable
@@ -32,6 +33,18 @@ YesOpt = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation (r
 AdoptOpt = typer.Option(False, "--adopt",
                         help="Take over the server on the port that dynctl did not start (the operator's): stop it "
                              "and make its argv, environment and cwd the baseline release. --yes alone never does.")
+
+
+def seconds_option(default: float, flag: str, low: float, high: float, help: str) -> Any:
+    """An option that takes seconds: a finite number in [low, high], else a usage error naming the option and
+    the range (exit 2). NaN, inf and 1e400 are refused: an unbounded wait would hold the host forever."""
+
+    def check(value: float) -> float:
+        if value is None or (math.isfinite(value) and low <= value <= high):
+            return value
+        raise typer.BadParameter(f"{value:g} is not allowed: give seconds from {low:g} to {high:g}")
+
+    return typer.Option(default, flag, callback=check, help=f"{help} ({low:g}-{high:g} s)")
 
 
 _NEGATIVE_NUMBER = re.compile(r"-\d+(\.\d+)?")

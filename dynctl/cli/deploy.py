@@ -24,15 +24,16 @@ from dynctl.cli.common import (
     console,
     handle_errors,
     open_host,
+    seconds_option,
 )
 from dynctl.cli.lifecycle import GraceOpt, ReadyTimeoutOpt
 from dynctl.cli.progress import EventPrinter
 from dynctl.patching import parse_threshold
 from dynctl.transport import sh_join
 
-SoakOpt = typer.Option(core.DEFAULT_SOAK_S, "--soak", min=0,
-                       help="Seconds to keep watching the new server after it is ready; a crash in that time "
-                            "fails the operation (a deploy rolls back). 0: no soak.")
+SoakOpt = seconds_option(core.DEFAULT_SOAK_S, "--soak", 0, core.MAX_SOAK_S,
+                         "Seconds to keep watching the new server after it is ready; a crash in that time "
+                         "fails the operation (a deploy rolls back). 0: no soak.")
 
 
 def register(app: typer.Typer) -> None:

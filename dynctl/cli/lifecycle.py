@@ -20,12 +20,14 @@ from dynctl.cli.common import (
     console,
     handle_errors,
     open_host,
+    seconds_option,
 )
 from dynctl.cli.progress import EventPrinter
 
-GraceOpt = typer.Option(60.0, "--grace", min=0, help="Seconds the server may drain after SIGTERM before SIGKILL.")
-ReadyTimeoutOpt = typer.Option(900.0, "--ready-timeout", min=1,
-                               help="Seconds to wait for /health_generate and one real /generate.")
+GraceOpt = seconds_option(60.0, "--grace", 0, lifecycle.MAX_GRACE_S,
+                          "Seconds the server may drain after SIGTERM before SIGKILL.")
+ReadyTimeoutOpt = seconds_option(900.0, "--ready-timeout", 1, lifecycle.MAX_READY_TIMEOUT_S,
+                                 "Seconds to wait for /health_generate and one real /generate.")
 
 
 def register(app: typer.Typer) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import subprocess
+import threading
 from collections.abc import Iterator, Sequence
 
 from dynctl.errors import CommandTimeout, PreflightError
@@ -51,22 +52,37 @@ class LocalStream:
         return self._proc.poll()
 
 
+def _leave_running(proc: subprocess.Popen) -> None:
+    """After Ctrl-C: let the command finish on its own (its answer goes unread) and reap it when it does,
+    so it is neither killed nor left a zombie."""
+    for pipe in (proc.stdin, proc.stdout, proc.stderr):
+        if pipe is not None:
+            with contextlib.suppress(OSError):
+                pipe.close()
+    threading.Thread(target=proc.wait, daemon=True).start()
+
+
 class Local:
     description = "local"
 
     def run(self, argv: Sequence[str], stdin: bytes | None = None, timeout: float = 60.0) -> Result:
+        """Run argv in a session of its own, as sshd and pct would: a Ctrl-C in this terminal interrupts dynctl,
+        never the agent half way through a stop; the caller asks the host what became of it."""
         try:
-            proc = subprocess.run(
-                list(argv),
-                input=stdin if stdin is not None else b"",
-                capture_output=True,
-                timeout=timeout,
-            )
+            proc = subprocess.Popen(list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, start_new_session=True)
         except FileNotFoundError as err:
             return Result(127, b"", f"{argv[0]}: command not found ({err.strerror})\n".encode())
-        except subprocess.TimeoutExpired as err:
-            raise CommandTimeout(f"local command {argv[0]} did not finish within {timeout:g} s") from err
-        return Result(proc.returncode, proc.stdout, proc.stderr)
+        try:
+            out, err = proc.communicate(stdin if stdin is not None else b"", timeout=timeout)
+        except subprocess.TimeoutExpired as exc:
+            proc.kill()
+            proc.communicate()
+            raise CommandTimeout(f"local command {argv[0]} did not finish within {timeout:g} s") from exc
+        except KeyboardInterrupt:
+            _leave_running(proc)
+            raise
+        return Result(proc.returncode, out, err)
 
     def open_stream(self, argv: Sequence[str], stdin: bytes | None = None) -> LocalStream:
         return LocalStream(argv, stdin)

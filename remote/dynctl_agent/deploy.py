@@ -12,10 +12,13 @@ sequence, so the host ends on the old or the new release whatever happens to the
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import time
+import traceback
 
 from dynctl_agent import lock, patch, procfs, releases, serverinfo, servers, shutdown, startup, store
-from dynctl_agent.protocol import AgentError
+from dynctl_agent.protocol import AgentError, seconds
 
 STATE_FILE = serverinfo.STATE_FILE
 DEFAULT_SOAK_S = 5.0
@@ -184,6 +187,7 @@ def _stop(ctx, grace, taking):
 
 def op_deploy(ctx, oplog, files, sglang_version, strategy, threshold, launch_argv, baseline_argv,
               artifacts=None, grace=60, ready_timeout=900, soak=DEFAULT_SOAK_S, adopt=None, **_):
+    grace, ready_timeout, soak = seconds("grace", grace), seconds("ready_timeout", ready_timeout), seconds("soak", soak)
     loc = servers.locate(ctx)
     taking = servers.preflight(ctx, loc, "deploy", adopt)
     _recover(ctx, oplog)
@@ -196,9 +200,9 @@ def op_deploy(ctx, oplog, files, sglang_version, strategy, threshold, launch_arg
         applied = patch.apply_release(ctx, files, sglang_version, strategy=strategy, threshold=threshold,
                                 launch_argv=launch_argv, artifacts=artifacts)
     release = applied["release"]
-    argv = applied["manifest"]["launch_argv"]
-    oplog.emit("info", text="release %s in force (files changed: %d)" % (release, len(files)))
     try:
+        argv = applied["manifest"]["launch_argv"]
+        oplog.emit("info", text="release %s in force (files changed: %d)" % (release, len(files)))
         if taking is not None:  # what ran before is the operator's launch: a failed deploy restarts exactly that
             adopted = _take_over(ctx, oplog, taking)
             previous_argv = adopted["argv"]
@@ -209,39 +213,97 @@ def op_deploy(ctx, oplog, files, sglang_version, strategy, threshold, launch_arg
         ready = _gate(ctx, oplog, argv, release, ready_timeout)
         verified = _verify(ctx, oplog, strategy, threshold)
         verified.update(_soak(ctx, oplog, soak))
-    except AgentError as err:
-        oplog.warn("deploy failed: %s" % err)
+    except Exception as err:  # not only a refusal: whatever failed after the switch, the switch is undone
+        reason = failure_text(err)
+        oplog.warn("deploy failed: %s" % reason)
         target = previous or releases.BASELINE
-        rolled = _roll_back_after_failure(ctx, oplog, release, previous_argv, running is not None,
-                                             grace, ready_timeout, soak, previous_launch)
-        raise AgentError("deploy of release %s failed: %s; %s" % (release, err, rolled), "failed",
+        rolled = _roll_back_after_failure(ctx, oplog, release, previous_argv, running, grace, ready_timeout, soak,
+                                          previous_launch)
+        extra = err.extra if isinstance(err, AgentError) else {}
+        raise AgentError("deploy of release %s failed: %s; %s" % (release, reason, rolled), "failed",
                          rolled_back_to=target, failed_release=release,
-                         log_tail=err.extra.get("log_tail") or [])
-    _set_state(ctx, last="deploy", release=release)
+                         log_tail=extra.get("log_tail") or [])
+    with contextlib.suppress(OSError):  # the record of the last operation, not the transaction
+        _set_state(ctx, last="deploy", release=release)
     result = {"release": release, "argv": argv, "previous": previous or releases.BASELINE, "pid": ready.get("pid"),
               "ready_seconds": ready.get("elapsed")}
     result.update(verified)
     return result
 
 
-def _roll_back_after_failure(ctx, oplog, release, previous_argv, was_running, grace, ready_timeout, soak=0,
-                             launch=None):
+def failure_text(err):
+    """What failed, in words: a refusal's own message; anything else by its type, its traceback to the worker's
+    log (best effort: on a full disk the log cannot take it, and the rollback must go on regardless)."""
+    if isinstance(err, AgentError):
+        return str(err)
+    with contextlib.suppress(Exception):
+        traceback.print_exception(type(err), err, err.__traceback__)
+        sys.stderr.flush()
+    where = " (%s)" % err.filename if isinstance(err, OSError) and err.filename else ""
+    return "%s: %s%s" % (type(err).__name__, getattr(err, "strerror", None) or err, where)
+
+
+def _still_runs(old):
+    """The process that served before the deploy (ours, or the operator's being taken over) is still that process."""
+    return old is not None and old.get("pid") is not None and procfs.start_time(old["pid"]) == old.get("start")
+
+
+def _roll_back_after_failure(ctx, oplog, release, previous_argv, old, grace, ready_timeout, soak=0, launch=None):
+    """Undo a deploy that failed after its switch: stop whatever runs unless it is the old server still serving,
+    revert the release, start the previous launch argv if the old server had been stopped. Each step is tried
+    whatever the one before it did (a full disk, a crash), and the words returned say what was done and what
+    was not. `launch` is the previous launch's env and cwd where it was the operator's adopted one."""
+    problems = []
+    still_serving = False
+    oplog.release_room()  # the room reserved for this: a full disk must not keep the release applied
     with oplog.step("rollback", "restoring the previous release"):
-        stopped = shutdown.stop_server(ctx, grace=min(grace, 30))
-        oplog.emit("info", text=shutdown.summary(stopped))
-        patch.revert_release(ctx, release)
-    if not was_running:
+        try:
+            still_serving = (_still_runs(old) and
+                             servers.health(servers.probe_host(old.get("argv")), ctx.port) == 200)
+            if not still_serving:
+                stopped = shutdown.stop_server(ctx, grace=min(grace, 30))
+                oplog.emit("info", text=shutdown.summary(stopped))
+        except Exception as err:
+            problems.append("stopping the server failed: %s" % failure_text(err))
+        try:
+            patch.revert_release(ctx, release)
+        except AgentError as err:
+            if not err.extra.get("files_restored"):
+                problems.append("reverting release %s FAILED: %s (its backups are in %s)"
+                                % (release, err, ctx.path("releases", release)))
+            else:
+                problems.append(str(err))
+        except Exception as err:
+            problems.append("reverting release %s FAILED: %s (its backups are in %s)"
+                            % (release, failure_text(err), ctx.path("releases", release)))
+    in_force = releases.current(ctx)
+    current = in_force or releases.BASELINE
+    if any(p.startswith("reverting") for p in problems):
+        return "; ".join(problems)
+    files = ("rolled back the files to %s" % current if in_force != release else
+             "restored the files of release %s" % release)
+    if problems:
+        files += " (%s)" % "; ".join(problems)
+    if still_serving:
+        return "%s; the previous server (pid %s) was never stopped and still serves" % (files, old["pid"])
+    if old is None:
+        if problems:
+            return files + "; the server was not running before"
         return "rolled back to the previous release (the server was not running before; left stopped)"
     try:
-        _gate(ctx, oplog, previous_argv, releases.current(ctx), ready_timeout, launch)
+        _gate(ctx, oplog, previous_argv, None if in_force == release else in_force, ready_timeout, launch)
         _soak(ctx, oplog, min(float(soak or 0), DEFAULT_SOAK_S))  # it served before: a short look will do
-    except AgentError as err:
-        return "rolled back the files, but the previous server did not come back: %s" % err
-    return "rolled back to %s, which is serving again" % (releases.current(ctx) or releases.BASELINE)
+    except Exception as err:
+        return "%s, but the previous server did not come back: %s" % (
+            files if problems else "rolled back the files", failure_text(err))
+    if problems:
+        return "%s; the previous server is serving again" % files
+    return "rolled back to %s, which is serving again" % current
 
 
 def op_rollback(ctx, oplog, baseline_argv, to=None, grace=60, ready_timeout=900, soak=DEFAULT_SOAK_S, adopt=None,
                 **_):
+    grace, ready_timeout, soak = seconds("grace", grace), seconds("ready_timeout", ready_timeout), seconds("soak", soak)
     chosen = _rollback_target(ctx, to, releases.manifests(ctx))
     loc = servers.locate(ctx)
     taking = servers.preflight(ctx, loc, "rollback", adopt)
@@ -265,7 +327,8 @@ def op_rollback(ctx, oplog, baseline_argv, to=None, grace=60, ready_timeout=900,
         argv, launch = releases.baseline_launch(ctx, baseline_argv)
     healthy = loc["server"] is not None and servers.health("127.0.0.1", ctx.port) == 200
     if not newer and healthy and servers.argv_matches(loc["server"]["argv"], argv):
-        _set_state(ctx, last="rollback", target=target)
+        with contextlib.suppress(OSError):
+            _set_state(ctx, last="rollback", target=target)
         return {"target": target, "changed": False, "message": "already on %s and serving" % target}
     done = []
     try:
@@ -280,21 +343,24 @@ def op_rollback(ctx, oplog, baseline_argv, to=None, grace=60, ready_timeout=900,
             oplog.emit("info", text=shutdown.summary(stopped))
             if stopped.get("stopped"):
                 done.append("stopped the server")
+        oplog.release_room()  # the room kept for undoing a change: the reverts' records and the start use it
         for m in newer:
             with oplog.step("revert", "release %s" % m["id"]):
                 patch.revert_release(ctx, m["id"])
             done.append("reverted %s" % m["id"])
         ready = _gate(ctx, oplog, argv, None if target == releases.BASELINE else target, ready_timeout, launch)
         soaked = _soak(ctx, oplog, soak)
-    except AgentError as err:
-        if not ctx.changed:
+    except Exception as err:
+        if not ctx.changed and isinstance(err, AgentError):
             raise
         # the host did change: say how far the rollback got, and never call it a pre-flight refusal
-        raise AgentError("rollback to %s failed: %s%s" % (target, err, " (done before that: %s)" % ", ".join(done)
-                                                           if done else ""),
-                         "failed", target=target, log_tail=err.extra.get("log_tail") or [],
-                         reason=err.extra.get("reason"))
-    _set_state(ctx, last="rollback", target=target)
+        extra = err.extra if isinstance(err, AgentError) else {}
+        raise AgentError("rollback to %s failed: %s%s" % (target, failure_text(err),
+                                                           " (done before that: %s)" % ", ".join(done) if done else ""),
+                         "failed", target=target, log_tail=extra.get("log_tail") or [],
+                         reason=extra.get("reason"))
+    with contextlib.suppress(OSError):  # the record of the last operation, not the transaction
+        _set_state(ctx, last="rollback", target=target)
     return {"target": target, "changed": True, "reverted": [m["id"] for m in newer], "argv": argv,
             "pid": ready.get("pid"), "soak_s": soaked.get("soak_s")}
 

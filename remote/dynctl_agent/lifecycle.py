@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
 
 from dynctl_agent import lock, releases, servers, shutdown, startup
-from dynctl_agent.protocol import AgentError
+from dynctl_agent.protocol import AgentError, seconds
 
 
 def _no_extra(name, extra):
@@ -22,13 +23,19 @@ def server_stop(ctx, grace=60, port_timeout=30, gpu_timeout=60, pid=None, pid_st
     """Stop our server; the operator's server only when named (`pid`) or taken over (`adopt`, which first
     records its launch as the baseline release)."""
     _no_extra("server_stop", extra)
-    with lock.host_lock(ctx, "stop"), lock.hangup_shield():
+    waits = seconds("grace", grace), seconds("port_timeout", port_timeout), seconds("gpu_timeout", gpu_timeout)
+    # A stop, once begun, runs to its end (SIGTERM, grace, SIGKILL, sweep): a dropped channel or a Ctrl-C that
+    # reaches this process does not cut it between its signals, and a full disk does not prevent it.
+    with lock.host_lock(ctx, "stop", best_effort=True) as holder, lock.hangup_shield(signal.SIGINT):
         if adopt and pid is None:
             taking = servers.takeover(ctx, servers.locate(ctx), "stop", adopt)
             if taking is not None:
                 releases.record_adopted(ctx, servers.adoption(ctx, taking))
                 pid, pid_start = taking["pid"], taking["start"]
-        return shutdown.stop_server(ctx, float(grace), float(port_timeout), float(gpu_timeout), pid, pid_start)
+        result = shutdown.stop_server(ctx, *waits, pid=pid, pid_start=pid_start)
+    if holder.get("unrecorded"):
+        result.setdefault("warnings", []).append("%s: stopped without it" % holder["unrecorded"])
+    return result
 
 
 def _resolve_launch(ctx, argv, release, baseline_argv, adopting=None):
@@ -74,17 +81,22 @@ def _raise_failed(items):
 
 def server_wait_ready(ctx, ready_timeout=900, generate=True, **extra):
     _no_extra("server_wait_ready", extra)
-    return _raise_failed(startup.wait_ready(ctx, float(ready_timeout), bool(generate)))
+    return _raise_failed(startup.wait_ready(ctx, seconds("ready_timeout", ready_timeout), bool(generate)))
 
 
 def server_restart(ctx, argv=None, env=None, release=None, grace=60, ready_timeout=900, baseline_argv=None,
-                        adopt=None, **extra):
+                   adopt=None, **extra):
     """stop → start → wait_ready in one agent process, so a dropped connection cannot leave it between.
 
     adopt: the operator's word for taking over their server that runs on the port (servers.takeover): its
     launch becomes the baseline release, so with no release in force it is restarted as it was launched.
     """
     _no_extra("server_restart", extra)
+    return _restart(ctx, argv, env, release, grace, ready_timeout, baseline_argv, adopt)
+
+
+def _restart(ctx, argv, env, release, grace, ready_timeout, baseline_argv, adopt=None, stopped_hook=None):
+    grace, ready_timeout = seconds("grace", grace), seconds("ready_timeout", ready_timeout)
     with lock.host_lock(ctx, "restart"):
         with lock.hangup_shield():
             rec = servers.read_pidfile(ctx) or {}
@@ -101,21 +113,30 @@ def server_restart(ctx, argv=None, env=None, release=None, grace=60, ready_timeo
                 env = rec.get("env")
             if adopting is not None:
                 releases.record_adopted(ctx, adopting)
-                stopped = shutdown.stop_server(ctx, float(grace), pid=taking["pid"], pid_start=taking["start"])
+                stopped = shutdown.stop_server(ctx, grace, pid=taking["pid"], pid_start=taking["start"])
             else:
-                stopped = shutdown.stop_server(ctx, float(grace))
+                stopped = shutdown.stop_server(ctx, grace)
+            if stopped_hook is not None:
+                stopped_hook()
             try:
                 started = startup.start_server(ctx, argv, env, release, launch)
-            except AgentError as err:
-                if not ctx.changed:
+            except Exception as err:  # a refusal, or a disk too full for the log: the server stays stopped
+                if isinstance(err, AgentError) and not ctx.changed:
                     raise
+                why = err if isinstance(err, AgentError) else "%s: %s" % (type(err).__name__,
+                                                                         getattr(err, "strerror", None) or err)
                 raise AgentError("restart: %s, but the new server was not started: %s"
-                                 % (shutdown.summary(stopped), err), "failed", **err.extra)
+                                 % (shutdown.summary(stopped), why), "failed",
+                                 **(err.extra if isinstance(err, AgentError) else {}))
             started["launch"] = how
         yield {"ok": True, "event": "stopped", "result": stopped}
         yield {"ok": True, "event": "started", "result": started}
-        for item in _raise_failed(startup.wait_ready(ctx, float(ready_timeout))):
+        for item in _raise_failed(startup.wait_ready(ctx, ready_timeout)):
             yield item
+
+
+_RESTART_PARAMS = {"argv": None, "env": None, "release": None, "grace": 60, "ready_timeout": 900, "baseline_argv": None,
+                   "adopt": None}
 
 
 def server_logs(ctx, lines=200, **extra):
@@ -131,7 +152,10 @@ def server_logs_follow(ctx, lines=20, max_seconds=None, **extra):
 
 def op_restart(ctx, oplog, **params):
     """The restart verb's stop → start → ready, run by the worker: its items become the operation's events."""
-    for item in server_restart(ctx, **params):
+    _no_extra("restart", {k: v for k, v in params.items() if k not in _RESTART_PARAMS})
+    args = [params.get(k, d) for k, d in _RESTART_PARAMS.items()]
+    # a restart has nothing to roll back to: once stopped, its start may use the room kept for undoing
+    for item in _restart(ctx, *args, stopped_hook=oplog.release_room):
         kind = item.get("event")
         if kind == "ready":
             return {k: v for k, v in item.items() if k not in ("ok", "event")}

@@ -12,10 +12,13 @@ from dynctl_agent import procfs, store
 from dynctl_agent.protocol import AgentError
 
 @contextlib.contextmanager
-def host_lock(ctx, operation, op=None):
+def host_lock(ctx, operation, op=None, best_effort=False):
     """One operation per host: workdir/lock names the holder; a dead holder's lock is taken over.
 
     Re-entrant for the process that holds it: an operation worker runs verbs that take the lock themselves.
+    best_effort: where the lock cannot be written (a full disk) go on without it, and say so in the holder's
+    "unrecorded"; a live holder is still refused. For a stop, which must work on a full disk: nothing else can
+    take the lock there either (every writer needs room), and a stop is safe to repeat.
     """
     ctx.ensure_workdir()
     path = ctx.path("lock")
@@ -52,12 +55,25 @@ def host_lock(ctx, operation, op=None):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
             continue
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(me, f)
-        except OSError as err:  # a full disk: an empty lock would read as "being written" to the next one
-            with contextlib.suppress(OSError):
-                os.unlink(path)
+        except OSError as err:  # no room even for the name (a full directory, no inodes left)
+            fd, failure = None, err
+        else:
+            failure = None
+        if fd is not None:
+            try:
+                with os.fdopen(fd, "w") as f:
+                    json.dump(me, f)
+            except OSError as err:  # a full disk: an empty lock would read as "being written" to the next one
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+                failure = err
+        if failure is not None:
+            err = failure
+            if best_effort:
+                me["unrecorded"] = "the host lock %s could not be written (%s)" % (path, err.strerror or err)
+                store.journal(ctx, "lock.unrecorded", operation=operation, error=str(err))
+                yield me
+                return
             raise AgentError("cannot write the host lock %s: %s; nothing was changed" % (path, err.strerror or err),
                              "preflight")
         break
@@ -85,13 +101,15 @@ def signals_deferred():
 
 
 @contextlib.contextmanager
-def hangup_shield():
-    """A dropped SSH channel must not interrupt a transaction half way: SIGHUP is ignored meanwhile."""
-    old = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+def hangup_shield(*also):
+    """A dropped SSH channel must not interrupt a transaction half way: SIGHUP (and `also`) ignored meanwhile."""
+    sigs = (signal.SIGHUP,) + also
+    old = [signal.signal(sig, signal.SIG_IGN) for sig in sigs]
     try:
         yield
     finally:
-        signal.signal(signal.SIGHUP, old)
+        for sig, handler in zip(sigs, old):
+            signal.signal(sig, handler)
 
 
 def live_holder(ctx):

@@ -13,7 +13,7 @@ import sys
 import time
 
 from dynctl_agent import lock, oprecords, procfs, releases, servers, store, verbs
-from dynctl_agent.protocol import AgentError, Context, outcome
+from dynctl_agent.protocol import LIMITS, AgentError, Context, outcome, seconds
 
 # The worker runs this package from where this agent runs it (the unpacked archive, not a file of its own),
 # with the interpreter that runs this agent.
@@ -29,6 +29,9 @@ def op_start(ctx, kind, params=None, op_id=None, **_):
     """
     if kind not in verbs.OPS:
         raise AgentError("unknown operation %r" % kind, "usage")
+    for name, value in (params or {}).items():
+        if name in LIMITS:
+            seconds(name, value)  # an unbounded wait is refused before anything is claimed
     op_id = op_id or oprecords.new_id(kind)
     oprecords.check_id(op_id)
     ctx.ensure_workdir()
@@ -159,6 +162,7 @@ def op_follow(ctx, op_id=None, from_line=0, **_):
     seen = 0
     pos = 0
     gone_since = None
+    spot = None
     while True:
         lines = []
         try:
@@ -174,13 +178,24 @@ def op_follow(ctx, op_id=None, from_line=0, **_):
             seen += 1
             if seen <= from_line:
                 continue
-            event = json.loads(raw)
+            event = oprecords.parse_event(raw)
+            if event is None:  # a torn line (a writer killed half way): one event lost, not the operation's end
+                event = {"type": "warning", "text": "event %d of the %s could not be read (%d bytes: %r...); "
+                                                    "skipped" % (seen, kind, len(raw), raw[:40])}
             event["op_id"] = op_id
             event["op_kind"] = kind
             event["seq"] = seen
             yield {"ok": True, "op": event}  # the op's own ok/error stay inside, not the stream's
             if event.get("final"):
                 return
+        if spot is not None and not lines:  # the log read to its end once more: the final word comes last
+            spot.update(op_id=op_id, op_kind=kind, seq=seen + 1)
+            yield {"ok": True, "op": spot}
+            return
+        if not lines and spot is None:
+            spot = oprecords.read_final_spot(ctx, op_id)  # where the worker put it when its log was full
+            if spot is not None:
+                continue
         if lines:
             gone_since = None
         else:
@@ -251,7 +266,11 @@ def _adopt_lock(ctx, request):
     me = procfs.start_time(os.getpid())
     if holder.get("pid") != os.getpid() or holder.get("pid_start") != me:
         holder.update(pid=os.getpid(), pid_start=me)
-        store.write_json_atomic(path, holder)
+        try:
+            store.write_json_atomic(path, holder)
+        except OSError as err:
+            raise AgentError("cannot write the host lock %s: %s; nothing was changed" % (path, err.strerror or err),
+                             "preflight")
 
 
 def run_operation(request_path):
@@ -259,10 +278,15 @@ def run_operation(request_path):
     request = store.read_json(request_path)
     ctx = Context(request["host"], request.get("client"))
     oplog = oprecords.OpLog(ctx, request["id"], request["kind"])
+    oplog.make_room()
     try:
         oplog.emit("started", required=True, kind=request["kind"], pid=os.getpid())
     except OSError as err:  # nobody would hear of what follows: do nothing (a follower says so)
-        sys.stderr.write("cannot write %s: %s; not starting\n" % (oplog.path, err))
+        with contextlib.suppress(OSError):
+            sys.stderr.write("cannot write %s: %s; not starting\n" % (oplog.path, err))
+        oplog.release_room()
+        with contextlib.suppress(OSError):
+            os.unlink(oplog.spot)
         return 1
     try:
         _adopt_lock(ctx, request)
@@ -275,11 +299,14 @@ def run_operation(request_path):
         kind, message = outcome(ctx, err)
         final = {"ok": False, "kind": kind, "error": message}
         final.update(err.extra)
-    except Exception as err:  # the worker must always leave a final word
-        import traceback
+    except Exception as err:  # the worker must always leave a final word, even where its log cannot take a traceback
+        with contextlib.suppress(Exception):
+            import traceback
 
-        traceback.print_exc()
-        final = {"ok": False, "kind": "failed", "error": "%s: %s" % (type(err).__name__, err)}
+            traceback.print_exc()
+            sys.stderr.flush()
+        changed = " (this host had been changed before that: see %s)" % ctx.path("journal.jsonl") if ctx.changed else ""
+        final = {"ok": False, "kind": "failed", "error": "%s: %s%s" % (type(err).__name__, err, changed)}
     finally:
         holder = store.read_json(ctx.path("lock")) or {}
         if holder.get("pid") == os.getpid():
@@ -287,5 +314,5 @@ def run_operation(request_path):
                 os.unlink(ctx.path("lock"))
     if oplog.lost:
         final["events_lost"] = oplog.lost
-    oplog.emit("final", final=True, **final)
+    oplog.finish(final=True, **final)
     return 0 if final.get("ok") else 1

@@ -14,6 +14,10 @@ up before the host had the request). A follower that finds no worker and no fina
   workdir/ops/<id>.json      the request (kind, params, client, received)
   workdir/ops/<id>.jsonl     events, one JSON object per line; the last one has "final": true
   workdir/ops/<id>.log       the worker's own stdout/stderr (tracebacks land here)
+  workdir/ops/<id>.final     FINAL_ROOM bytes the worker reserves when it starts: where its final word goes
+                             when the event log cannot take it (a full disk); removed once the log took it
+  workdir/ops/<id>.reserve   ROLLBACK_ROOM bytes held while the worker runs and given back to the disk when
+                             a transaction has to be undone, so the rollback's records fit on a full disk
 
 The newest keep_history records are kept (op_start prunes older ones; never the running one).
 Each event log is bounded: past EVENTS_CAP bytes its log lines are counted, not written.
@@ -40,16 +44,73 @@ ROOM = 1 << 20  # free bytes an operation wants in workdir on top of its request
 TMP_NAMES = {"": re.compile(r"^(?:server\.json|state\.json|lock|current)\.tmp\.(\d+)\Z"),
              "ops": re.compile(r"^\d{8}T\d{6}-[a-z]+-[0-9a-f]{6,32}\.json\.tmp\.(\d+)\Z")}
 EVENTS_CAP = 8 << 20  # a start that logs for 15 minutes must not fill the disk with its echo
+FINAL_ROOM = 64 << 10  # the final word with its log tail fits in this
+ROLLBACK_ROOM = 256 << 10  # a release's manifest and `current`, a pidfile and the start of a server log
+RECORD_EXTS = (".json", ".jsonl", ".log", ".final", ".reserve")
 
 
 def append(path, record):
-    """Append one JSON line; returns the size of the file after it."""
+    """Append one JSON line, whole or not at all (never a torn line); returns the size of the file after it."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
-        os.write(fd, (json.dumps(record, default=str) + "\n").encode())
-        return os.fstat(fd).st_size
+        return store.append_whole(fd, (json.dumps(record, default=str) + "\n").encode())
     finally:
         os.close(fd)
+
+
+def _fill(path, size):
+    """A file of `size` blanks, on the disk (fsync'd): its blocks are taken now, so overwriting them later needs
+    no free space."""
+    try:
+        store.write_bytes(path, b" " * size, 0o600)
+        return True
+    except OSError:  # write_bytes removed what it started
+        return False
+
+
+def _fitting(record, room):
+    """`record` as one JSON line of at most `room` bytes: the log tail shortened, then the error cut, if need be."""
+    record = dict(record)
+    while True:
+        data = (json.dumps(record, default=str) + "\n").encode()
+        if len(data) <= room:
+            return data
+        if record.get("log_tail"):
+            record["log_tail"] = record["log_tail"][len(record["log_tail"]) // 2 + 1:]
+        elif len(str(record.get("error") or "")) > 200:
+            text = str(record["error"])
+            record["error"] = text[:len(text) // 2] + " [...]"
+        else:
+            record = {k: record[k] for k in ("type", "final", "ok", "kind", "error", "t") if k in record}
+            record["error"] = str(record.get("error") or "")[:200]
+
+
+def parse_event(raw):
+    """One line of an event log as a record, or None. A line torn by a writer that died half way has the next
+    record appended to it: that one is read from where it starts (every record starts with its "t")."""
+    for start in (0, raw.rfind(b'{"t": ')):
+        if start < 0 or (start == 0 and raw[:1] != b"{"):
+            continue
+        try:
+            event = json.loads(raw[start:])
+        except ValueError:
+            continue
+        if isinstance(event, dict):
+            return event
+    return None
+
+
+def read_final_spot(ctx, op_id):
+    """The final word the worker left in its reserved spot (ops/<id>.final), or None (blanks, or absent)."""
+    try:
+        with open(op_file(ctx, op_id, ".final"), "rb") as f:
+            if f.read(1) != b"{":  # still the blanks reserved at the start
+                return None
+            f.seek(0)
+            event = parse_event(f.read(FINAL_ROOM).strip())
+    except OSError:
+        return None
+    return event if event is not None and event.get("final") else None
 
 
 class OpLog:
@@ -64,9 +125,53 @@ class OpLog:
         self.op_id = op_id
         self.kind = kind
         self.path = ctx.path("ops", op_id + ".jsonl")
+        self.spot = ctx.path("ops", op_id + ".final")
+        self.reserve = ctx.path("ops", op_id + ".reserve")
         self.t0 = time.monotonic()
         self.lost = 0
         self.size = 0
+        self.spotted = False
+
+    def make_room(self):
+        """Reserve, while there is room, the spot for the final word and the room a rollback needs."""
+        self.spotted = _fill(self.spot, FINAL_ROOM)
+        _fill(self.reserve, ROLLBACK_ROOM)
+
+    def release_room(self):
+        """Give the rollback's reserve back to the disk: from here the rollback writes into it."""
+        with contextlib.suppress(OSError):
+            os.unlink(self.reserve)
+
+    def finish(self, **fields):
+        """The final event: into the event log, else (a full disk) over the reserved spot's blanks, in place.
+        Returns where it went, or None when neither could take it."""
+        self.release_room()
+        record = {"t": store.now_iso(), "elapsed": round(time.monotonic() - self.t0, 3), "type": "final"}
+        record.update(fields)
+        try:
+            append(self.path, record)
+        except OSError:
+            pass
+        else:
+            with contextlib.suppress(OSError, AgentError):
+                store.journal(self.ctx, "%s.final" % self.kind, op=self.op_id,
+                              **{k: v for k, v in fields.items() if k != "log_tail"})
+            with contextlib.suppress(OSError):
+                os.unlink(self.spot)
+            return self.path
+        if not self.spotted:
+            return None
+        try:
+            fd = os.open(self.spot, os.O_WRONLY)
+            try:
+                data = _fitting(record, FINAL_ROOM - 1)
+                os.pwrite(fd, data + b" " * (FINAL_ROOM - len(data)), 0)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError:
+            return None
+        return self.spot
 
     def emit(self, type_, required=False, **fields):
         record = {"t": store.now_iso(), "elapsed": round(time.monotonic() - self.t0, 3), "type": type_}
@@ -128,13 +233,12 @@ def last_final(ctx, op_id):
         with open(op_file(ctx, op_id, ".jsonl"), "rb") as f:
             lines = f.read().splitlines()
     except OSError:
-        return None
+        lines = []
     for raw in reversed(lines):
-        with contextlib.suppress(ValueError):
-            event = json.loads(raw)
-            if event.get("final"):
-                return event
-    return None
+        event = parse_event(raw)
+        if event is not None and event.get("final"):
+            return event
+    return read_final_spot(ctx, op_id)
 
 
 def op_ids(ctx):
@@ -187,7 +291,7 @@ def prune(ctx, keep_id=None):
     for op_id in op_ids(ctx)[ctx.keep:]:
         if op_id in (keep_id, running):
             continue
-        for ext in (".json", ".jsonl", ".log"):
+        for ext in RECORD_EXTS:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(op_file(ctx, op_id, ext))
         removed.append(op_id)

@@ -211,14 +211,17 @@ def apply_release(ctx, files, sglang_version, strategy="patch", threshold=None, 
             releases.journal(ctx, "patch.swap.file", release=release_id, path=e["path"], sha256=e["sha256_after"])
             ctx.changed = True
             dropped += sgltree.drop_pycache(e["target"])
-    except OSError as err:
-        roll_back("swapping %s failed: %s" % (e["target"], err.strerror or err))
+    except Exception as err:  # whatever broke the swap, every original goes back
+        roll_back("swapping %s failed: %s" % (e["target"], getattr(err, "strerror", None) or err))
     if dropped:
         releases.journal(ctx, "patch.pycache.dropped", release=release_id, files=dropped)
 
     check = None
     if entries and strategy == "patch":
-        check = sgltree.import_check(ctx, {os.path.realpath(e["target"]) for e in swapped}, import_check_timeout)
+        try:
+            check = sgltree.import_check(ctx, {os.path.realpath(e["target"]) for e in swapped}, import_check_timeout)
+        except Exception as err:  # the check itself broke: what it would have found is unknown, so undo the swap
+            roll_back("the import check could not run: %s: %s" % (type(err).__name__, err))
         releases.journal(ctx, "patch.import_check", release=release_id, **check)
         if check["ran"] and not check["ok"]:
             roll_back("the patched sglang does not start: %s" % check["detail"])
@@ -229,8 +232,8 @@ def apply_release(ctx, files, sglang_version, strategy="patch", threshold=None, 
     try:
         store.write_json_atomic(os.path.join(release_dir, "manifest.json"), manifest)
         current = releases.update_current(ctx)
-    except OSError as err:
-        roll_back("cannot record release %s: %s" % (release_id, err.strerror or err))
+    except Exception as err:
+        roll_back("cannot record release %s: %s" % (release_id, getattr(err, "strerror", None) or err))
     ctx.changed = True
     releases.journal(ctx, "patch.apply.done", release=release_id, files=len(entries), current=current)
     with contextlib.suppress(OSError):
@@ -307,8 +310,14 @@ def revert_release(ctx, release=None):
     manifest["state"] = "reverted"
     manifest["reverted"] = store.now_iso()
     manifest["reverted_by"] = ctx.who
-    store.write_json_atomic(os.path.join(release_dir, "manifest.json"), manifest)
-    current = releases.update_current(ctx)
+    try:
+        store.write_json_atomic(os.path.join(release_dir, "manifest.json"), manifest)
+        current = releases.update_current(ctx)
+    except OSError as err:  # the files are back; only the record lags, and reverting again completes it
+        raise AgentError("every file of release %s was restored, but its record in %s could not be updated (%s): "
+                         "`dynctl rollback` records it once there is room" % (release, release_dir,
+                                                                              err.strerror or err),
+                         "failed", files_restored=True)
     ctx.changed = True
     releases.journal(ctx, "patch.revert.done", release=release, current=current)
     with contextlib.suppress(OSError):

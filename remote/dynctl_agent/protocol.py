@@ -9,6 +9,7 @@ A streaming verb answers one JSON object per line and ends with a line carrying 
 from __future__ import annotations
 
 import getpass
+import math
 import os
 import socket
 import stat
@@ -115,6 +116,25 @@ def _name(uid):
 def _who(uid):
     name = _name(uid)
     return "uid %d" % uid if name == str(uid) else "%s (uid %d)" % (name, uid)
+
+
+# The waits a request may ask for, in seconds (the client's --grace, --ready-timeout and --soak have the same
+# bounds): a value beyond them, inf or NaN would hold the host lock without end.
+LIMITS = {"grace": (0.0, 3600.0), "ready_timeout": (1.0, 7200.0), "soak": (0.0, 3600.0),
+          "port_timeout": (0.0, 3600.0), "gpu_timeout": (0.0, 3600.0)}
+
+
+def seconds(name, value):
+    """`value` as seconds for the parameter `name`, refused (usage) unless it is a finite number in LIMITS."""
+    low, high = LIMITS[name]
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = None
+    if isinstance(value, bool) or number is None or not math.isfinite(number) or not low <= number <= high:
+        raise AgentError("%s must be a finite number of seconds from %g to %g, got %r; nothing was changed"
+                         % (name, low, high, value), "usage")
+    return number
 
 
 KEEP_HISTORY = 20  # finished releases and operation records kept in workdir (the config's keep_history)

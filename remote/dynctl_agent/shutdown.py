@@ -3,6 +3,7 @@ then the port and the GPU memory free. Nothing that is not provably ours is ever
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -90,7 +91,8 @@ def stop_server(ctx, grace=60.0, port_timeout=30.0, gpu_timeout=60.0, pid=None, 
         rec = loc["record"]
         if rec and not rec.get("stopped"):
             rec["stopped"] = store.now_iso()
-            servers.write_pidfile(ctx, rec)
+            with contextlib.suppress(OSError):  # a record: a full disk must not make a stop fail
+                servers.write_pidfile(ctx, rec)
         not_ours = servers.not_ours(ctx, loc)
         msg = "server already stopped"
         if not_ours and not_ours["kind"] == "operator":
@@ -115,7 +117,8 @@ def stop_server(ctx, grace=60.0, port_timeout=30.0, gpu_timeout=60.0, pid=None, 
     t_exit = time.monotonic()
     if server is not None:
         pid, start = server["pid"], server["start"]
-        servers.mark_pidfile(ctx, server, stopping=store.now_iso())
+        with contextlib.suppress(OSError):  # "draining" in status; a full disk must not keep the server up
+            servers.mark_pidfile(ctx, server, stopping=store.now_iso())
         t_term = time.monotonic()
         send_signal(ctx, pid, start, signal.SIGTERM, "stop: drain")
         gone = lambda: procfs.reap(pid) is not None or not procfs.same(pid, start)  # noqa: E731
@@ -170,7 +173,11 @@ def stop_server(ctx, grace=60.0, port_timeout=30.0, gpu_timeout=60.0, pid=None, 
     rec = servers.read_pidfile(ctx)
     if rec and not rec.get("stopped") and (server is None or server["source"] != "operator"):
         rec["stopped"] = store.now_iso()
-        servers.write_pidfile(ctx, rec)
+        try:
+            servers.write_pidfile(ctx, rec)
+        except OSError as err:
+            out["warnings"].append("the server is stopped, but %s could not record it (%s)"
+                                   % (ctx.path(servers.PIDFILE), err.strerror or err))
     out["timings"]["total_s"] = round(time.monotonic() - t0, 4)
     store.journal(ctx, "stop.done", **out["timings"])
     return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import threading
 import time
@@ -31,6 +32,11 @@ def start_server(ctx, argv, env=None, release=None, launch=None):
     env = env or {}
     if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
         raise AgentError("start needs env as a table of strings, got %r" % (env,), "usage")
+    for where, text in [("argv[%d]" % i, a) for i, a in enumerate(argv)] + [
+            ("env %s" % k, k + "=" + v) for k, v in sorted(env.items())]:
+        if "\0" in text:
+            raise AgentError("start: %s contains a NUL byte, which no command line or environment can carry"
+                             % where, "usage")
     port = servers.argv_port(argv)
     if port is not None and port != str(ctx.port):
         raise AgentError("argv says --port %s but this host's port is %d" % (port, ctx.port), "usage")
@@ -77,7 +83,14 @@ def start_server(ctx, argv, env=None, release=None, launch=None):
               "log": log_path, "log_offset": offset, "env": env, "who": ctx.who}
     if launch:
         record["adopted_launch"] = launch.get("adopted")
-    servers.write_pidfile(ctx, record)
+    try:
+        servers.write_pidfile(ctx, record)
+    except OSError as err:  # a server dynctl cannot find again is one it cannot stop: end it while it is provably ours
+        with contextlib.suppress(OSError):
+            os.killpg(proc.pid, signal.SIGKILL)  # its own session and group: it and whatever it forked so far
+        proc.wait()
+        raise AgentError("cannot record the new server in %s: %s; it was stopped again at once (pid %d), so nothing "
+                         "was started" % (ctx.path(servers.PIDFILE), err.strerror or err, proc.pid), "preflight")
     ctx.changed = True
     store.journal(ctx, "start.spawned", pid=proc.pid, argv=argv, release=release, env_keys=sorted(env))
     return dict(record, already_running=False)
@@ -218,7 +231,8 @@ def wait_ready(ctx, ready_timeout=900.0, generate=True, poll=0.1):
             if result.get("ready"):
                 elapsed = round(time.monotonic() - t0, 3)
                 store.journal(ctx, "ready.ok", pid=pid, elapsed=elapsed)
-                servers.mark_pidfile(ctx, {"pid": pid}, ready_at=store.now_iso())
+                with contextlib.suppress(OSError):  # a record; the server serves whether or not it lands
+                    servers.mark_pidfile(ctx, {"pid": pid}, ready_at=store.now_iso())
                 yield {"event": "ready", "pid": pid, "elapsed": elapsed, "generate": result.get("generate")}
                 return
             # probe often while a start is young (a fast server's readiness is seen at once), then back off

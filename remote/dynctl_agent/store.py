@@ -8,6 +8,8 @@ import hashlib
 import json
 import os
 
+from dynctl_agent.protocol import AgentError
+
 JOURNAL = "journal.jsonl"
 JOURNAL_ROTATE = 16 << 20  # beyond this the journal moves to journal.jsonl.1 (one old copy is kept)
 
@@ -16,18 +18,39 @@ def now_iso():
 
 
 def journal(ctx, event, **fields):
-    """Append one JSON line to workdir/journal.jsonl (0600)."""
-    ctx.ensure_workdir()
+    """Append one JSON line to workdir/journal.jsonl (0600). Best effort: the journal is the audit trail, not the
+    transaction, so a full disk costs the record (False) and never a stop or a rollback half way."""
     record = {"t": now_iso(), "event": event, "who": ctx.who}
     record.update(fields)
     path = ctx.path(JOURNAL)
-    rotate(path, JOURNAL_ROTATE)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
-        os.fchmod(fd, 0o600)
-        os.write(fd, (json.dumps(record, sort_keys=True) + "\n").encode())
-    finally:
-        os.close(fd)
+        ctx.ensure_workdir()
+        rotate(path, JOURNAL_ROTATE)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            os.fchmod(fd, 0o600)
+            append_whole(fd, (json.dumps(record, sort_keys=True, default=str) + "\n").encode())
+        finally:
+            os.close(fd)
+    except (OSError, AgentError):
+        return False
+    return True
+
+
+def append_whole(fd, data):
+    """Append `data` to the O_APPEND file `fd` whole or not at all: a short write (a disk that fills half way
+    through a line) is completed, and a write that fails cuts the file back to where it was, so a reader never
+    finds a torn line. Returns the file's size after it."""
+    before = os.fstat(fd).st_size
+    view = memoryview(data)
+    try:
+        while view:
+            view = view[os.write(fd, view):]
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, before)
+        raise
+    return os.fstat(fd).st_size
 
 
 def rotate(path, limit):
