@@ -236,6 +236,9 @@ def op_rollback(ctx, oplog, baseline_argv, to=None, grace=60, ready_timeout=900,
     healthy = loc["server"] is not None and servers.health("127.0.0.1", ctx.port) == 200
     if not newer and healthy and servers.argv_matches(loc["server"]["argv"], argv):
         _set_state(ctx, last="rollback", target=target)
+        if recovered:  # the files did change: the interrupted release is undone; the server kept serving
+            return {"target": target, "changed": True, "reverted": recovered, "argv": argv,
+                    "pid": loc["server"].get("pid"), "soak_s": 0.0}
         return {"target": target, "changed": False, "message": "already on %s and serving" % target}
     done = []
     try:
@@ -259,7 +262,7 @@ def op_rollback(ctx, oplog, baseline_argv, to=None, grace=60, ready_timeout=900,
                          "failed", target=target, log_tail=err.extra.get("log_tail") or [],
                          reason=err.extra.get("reason"))
     _set_state(ctx, last="rollback", target=target)
-    return {"target": target, "changed": True, "reverted": [m["id"] for m in newer], "argv": argv,
+    return {"target": target, "changed": True, "reverted": recovered + [m["id"] for m in newer], "argv": argv,
             "pid": ready.get("pid"), "soak_s": soaked.get("soak_s")}
 
 

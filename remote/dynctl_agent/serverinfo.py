@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dynctl import sglang
-from dynctl_agent import httpclient, releases, servers, store
+from dynctl_agent import httpclient, lock, releases, servers, store
 from dynctl_agent.protocol import AgentError
 
 STATE_FILE = "state.json"
@@ -29,10 +29,19 @@ def server_info_verb(ctx, **_):
 
 
 def set_threshold(ctx, threshold, host="127.0.0.1", port=None, timeout=10.0, **_):
-    """Set the speculation threshold live, then read back what every scheduler has in force."""
-    port = int(port or ctx.port)
+    """Set the speculation threshold live, then read back what every scheduler has in force.
+
+    Under the host lock: a change during another operation (a deploy's soak, say) would make that
+    operation report a threshold that is no longer the one in force.
+    """
     if not isinstance(threshold, int) or isinstance(threshold, bool) or threshold < -1:
         raise AgentError("threshold must be an integer >= -1, got %r" % (threshold,), "usage")
+    with lock.host_lock(ctx, "threshold %d" % threshold):
+        return _set_threshold(ctx, threshold, host, port, timeout)
+
+
+def _set_threshold(ctx, threshold, host, port, timeout):
+    port = int(port or ctx.port)
     if port == ctx.port:  # never send a change to a listener that is not our server
         loc = servers.locate(ctx)
         found = servers.not_ours(ctx, loc) if loc["server"] is None else None
