@@ -40,11 +40,17 @@ class DeployPlan:
     warnings: list[str] = field(default_factory=list)
     patch_detail: str = ""
     noop: str | None = None  # why nothing needs doing, when that is so
+    # what the server will enforce, when that differs from `threshold` (native: sglang's CUDA-graph padding)
+    effective_threshold: int | None = None
+
+    @property
+    def threshold_in_effect(self) -> int:
+        return self.threshold if self.effective_threshold is None else self.effective_threshold
 
     def to_json(self) -> dict[str, Any]:
         return {
             "host": self.host.name, "sglang_version": self.sglang_version, "strategy": self.strategy,
-            "threshold": self.threshold, "files": [f["path"] for f in self.files], "launch_argv": self.launch_argv,
+            "threshold": self.threshold, "effective_threshold": self.threshold_in_effect, "files": [f["path"] for f in self.files], "launch_argv": self.launch_argv,
             "artifacts": self.artifacts, "warnings": self.warnings, "patch": self.patch_detail, "noop": self.noop,
         }
 
@@ -76,7 +82,8 @@ def plan_deploy(agent: AgentClient, host: HostConfig, threshold: Any) -> DeployP
         diff = "" if not artifacts else f"--- /dev/null\n+++ b/{ADAPTIVE_CONFIG}\n" + "".join(
             f"+{line}\n" for line in native.config_json.splitlines())
         dplan = DeployPlan(host, state.version, strategy, threshold, [], diff, argv, baseline, artifacts,
-                           list(native.warnings), patch_detail=state.detail)
+                           list(native.warnings), patch_detail=state.detail,
+                           effective_threshold=native.effective_threshold)
     dplan.noop = _already_deployed(dplan, state.release, context["info"])
     if context.get("not_ours") and not dplan.noop:
         dplan.warnings.append(f"{context['not_ours']}: the deploy will be refused (exit 3) while it is there")
@@ -141,7 +148,7 @@ def deploy(agent: AgentClient, dplan: DeployPlan, on_event: events.EventSink = e
     params = {
         "files": dplan.files, "sglang_version": dplan.sglang_version, "strategy": dplan.strategy,
         "threshold": dplan.threshold, "launch_argv": dplan.launch_argv, "baseline_argv": dplan.baseline_argv,
-        "artifacts": dplan.artifacts, "grace": grace, "ready_timeout": ready_timeout, "soak": soak,
+        "artifacts": dplan.artifacts, "effective_threshold": dplan.effective_threshold, "grace": grace, "ready_timeout": ready_timeout, "soak": soak,
     }
     return operations.execute(agent, "deploy", params, on_event)
 

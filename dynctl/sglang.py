@@ -42,6 +42,54 @@ def threshold_in_force(info: dict):
     return found[0] if found else None
 
 
+def adaptive_pad_sizes(info: dict):
+    """The batch sizes a native (--speculative-adaptive) server pads a decode batch to before it picks a config
+    slot, from what its /server_info reports; None when it does not pad (CUDA graphs off, or no padding)."""
+    info = info or {}
+    graphs = info.get("cuda_graph_config") if isinstance(info.get("cuda_graph_config"), dict) else {}
+    decode = graphs.get("decode") if isinstance(graphs.get("decode"), dict) else {}
+    if info.get("disable_cuda_graph") or info.get("disable_cuda_graph_padding") or decode.get("backend") == "disabled":
+        return None
+    for sizes in (info.get("cuda_graph_bs_decode"), decode.get("bs"), info.get("cuda_graph_bs")):
+        if isinstance(sizes, list) and sizes and all(isinstance(b, int) and not isinstance(b, bool) for b in sizes):
+            return sorted(set(sizes))
+    return None
+
+
+def adaptive_cut(config: dict, pad=None):
+    """The threshold an adaptive config enforces: the largest T with speculation at every batch size up to T
+    and none at T+1 (AdaptiveSpeculativeParams._route: pad to a captured size, then the largest key at or below
+    it; the slot's first candidate is its starting steps). -1: speculation at every batch size; None: the
+    config does not cut speculation off at one batch size (it is not one dynctl writes)."""
+    import bisect
+
+    slots = {}
+    for key, entry in (config or {}).items():
+        steps = entry.get("candidate_steps") if isinstance(entry, dict) else None
+        if str(key).isdigit() and isinstance(steps, list) and steps:
+            slots[int(key)] = steps
+    if not slots:
+        return None
+    keys, pad = sorted(slots), sorted(pad) if pad else None
+
+    def steps_at(bs):
+        if pad is not None:
+            i = bisect.bisect_left(pad, bs)
+            bs = pad[i] if i < len(pad) else bs
+        j = bisect.bisect_right(keys, bs) - 1
+        return slots[keys[max(0, j)]]
+
+    top = max(keys[-1], pad[-1] if pad else 0) + 1
+    routed = [steps_at(bs) for bs in range(1, top + 1)]
+    if any(len(set(s)) > 1 for s in routed):
+        return None  # a slot that adapts its steps: no fixed cut
+    on = [s[0] > 0 for s in routed]
+    if all(on):
+        return -1
+    cut = on.index(False)
+    return cut if not any(on[cut:]) else None
+
+
 # /server_info keys the live view shows, and the first scheduler's internal_states it reads
 SERVER_INFO_KEYS = ("version", "model_path", "served_model_name", "tp_size", "dp_size", "enable_dp_attention",
                     "speculative_algorithm", "speculative_num_steps", "speculative_eagle_topk",

@@ -7,6 +7,7 @@ key. The demo host (the simulated sglang server on real sglang trees from PyPI),
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -81,3 +82,61 @@ def test_rollback_json_says_changed_after_reverting_an_interrupted_release(demo_
     assert tree_sha256(config) == pristine
     again = dynctl("rollback", "--yes", "--json", config=config)
     assert again.returncode == 0 and json.loads(again.stdout)["changed"] is False
+
+
+# --------------------------------------------------------------------------- the native threshold after padding
+
+
+def test_a_native_threshold_that_padding_moves_is_reported_as_the_server_enforces_it(demo_box):
+    """9 is no CUDA-graph batch size: sglang pads a batch of 9 to 10, so the config's cut is at 8."""
+    config = demo_box("0.5.14", via="local", strategy="native")
+    start_baseline(config)
+    dry = dynctl("deploy", "--threshold", "9", "--dry-run", "--json", config=config)
+    assert dry.returncode == 0, dry.stderr
+    planned = json.loads(dry.stdout)
+    assert planned["threshold"] == 9 and planned["effective_threshold"] == 8
+
+    out = dynctl("deploy", "--threshold", "9", "--yes", config=config)
+    assert out.returncode == 0, out.stdout + out.stderr
+    said = " ".join(out.stdout.split())
+    assert "threshold 8 in force (read back from /server_info, 9 requested" in said
+    assert "threshold 9 in force" not in said
+    info = server_info(config)
+    assert info["cuda_graph_config"]["decode"]["bs"][:10] == [1, 2, 3, 4, 5, 6, 7, 8, 10, 12]
+    config_file = json.loads(Path(info["speculative_adaptive_config"]).read_text())
+    assert config_file == {"1": {"candidate_steps": [3]}, "9": {"candidate_steps": [0]}}
+
+    release = json.loads(dynctl("releases", "--json", config=config).stdout)[0]
+    assert release["threshold"] == 9 and release["effective_threshold"] == 8
+    status = json.loads(dynctl("status", "--json", config=config).stdout)
+    assert status["server"]["threshold"] == 8 and status["server"]["release_threshold"] == 8
+
+
+def test_a_native_server_whose_config_file_says_otherwise_is_read_as_it_is(demo_box):
+    """The live view derives the cut from the config file the server names, not from the release record."""
+    config = demo_box("0.5.14", via="local", strategy="native")
+    start_baseline(config)
+    assert dynctl("deploy", "--threshold", "16", "--yes", config=config).returncode == 0
+    path = Path(server_info(config)["speculative_adaptive_config"])
+    path.write_text(json.dumps({"1": {"candidate_steps": [3]}, "5": {"candidate_steps": [0]}}))
+    status = json.loads(dynctl("status", "--json", config=config).stdout)
+    assert status["server"]["threshold"] == 4 and status["server"]["release_threshold"] == 16
+
+
+# --------------------------------------------------------------------------- status: live values only
+
+
+def test_status_shows_no_threshold_for_a_server_that_reports_none(demo_box):
+    """A release recorded threshold 7, but the server runs code loaded before it (not restarted)."""
+    config = demo_box(via="local")
+    start_baseline(config)
+    applied = dynctl("patch", "apply", "--threshold", "7", "--yes", config=config)
+    assert applied.returncode == 0, applied.stdout + applied.stderr
+    assert in_force(config) is None
+    status = json.loads(dynctl("status", "--json", config=config).stdout)
+    assert status["server"]["state"] == "ready"
+    assert status["server"]["threshold"] is None and status["server"]["release_threshold"] == 7
+    shown = subprocess.run([sys.executable, "-m", "dynctl", "status", "--config", str(config)], capture_output=True,
+                           text=True, env=dict(os.environ, COLUMNS="200"), timeout=120)
+    line = next(l for l in shown.stdout.splitlines() if l.startswith("threshold"))
+    assert "none reported by /server_info" in line and "recorded 7" in line

@@ -79,10 +79,19 @@ def _print_plan(host: str, plan: core.DeployPlan, as_json: bool) -> None:
                   f"{escape(plan.patch_detail)}")
     if plan.diff:
         console.print(Syntax(plan.diff, "diff", theme="ansi_dark", word_wrap=True))
+    if plan.threshold_in_effect != plan.threshold:
+        console.print(f"[bold]threshold:[/] {plan.threshold} requested, {plan.threshold_in_effect} in effect "
+                      f"(sglang's CUDA-graph padding)")
     console.print("[bold]launch argv:[/] " + escape(sh_join(plan.launch_argv)), soft_wrap=True)
     if plan.noop:
         console.print(f"[green]{escape(plan.noop)}[/]")
     console.print("[dim]dry run: nothing was changed[/]")
+
+
+def _release_threshold(manifest: dict) -> str:
+    """The threshold a release asked for, and what the server enforces where that differs."""
+    asked, effective = manifest.get("threshold"), manifest.get("effective_threshold")
+    return str(asked) if effective is None or effective == asked else f"{asked} (in effect {effective})"
 
 
 @handle_errors
@@ -129,7 +138,7 @@ def releases(
         table.add_column(name, overflow="fold")
     for m in items:
         table.add_row(m["id"], str(m.get("created", ""))[:19], m.get("who") or "", m.get("sglang_version") or "",
-                      m.get("strategy") or "", str(m.get("threshold")), str(len(m.get("files") or [])),
+                      m.get("strategy") or "", _release_threshold(m), str(len(m.get("files") or [])),
                       m.get("state") or "")
     console.print(table)
 

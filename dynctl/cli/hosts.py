@@ -127,7 +127,12 @@ def render_server(patch: dict[str, Any], server: dict[str, Any]) -> None:
                           f"{', '.join(map(str, server['leftovers']))}[/]  [dim](`dynctl stop` sweeps them)[/]")
     if server.get("not_ours"):
         table.add_row("", f"[yellow]not ours:[/] {escape(server['not_ours'])}  [dim](dynctl leaves it alone)[/]")
-    table.add_row("threshold", _fmt(server.get("threshold")))
+    live = server.get("threshold")
+    threshold = (_fmt(live) if live is not None else
+                 "[dim]unknown[/]" if server.get("state") == "down" else "[dim]none reported by /server_info[/]")
+    if server.get("release_threshold") is not None and server.get("release_threshold") != live:
+        threshold += f"  [dim](release {server.get('release')} recorded {server['release_threshold']})[/]"
+    table.add_row("threshold", threshold)
     table.add_row("batch size", f"{_fmt(server.get('batch_size'))} running, {_fmt(server.get('queue'))} queued")
     spec = server.get("speculation")
     spec_text = "[dim]unknown[/]" if spec is None else ("[green]ON[/]" if spec else "[yellow]OFF[/]")

@@ -61,7 +61,9 @@ def _gate(ctx, oplog, argv, release, ready_timeout):
     raise AgentError("the readiness check ended without a verdict", "failed")
 
 
-def _verify(ctx, oplog, strategy, threshold):
+def _verify(ctx, oplog, strategy, threshold, effective=None):
+    """The threshold the new server enforces, as it reports it; `effective` is what the plan expects a native
+    server to enforce (the requested threshold after sglang's CUDA-graph padding)."""
     with oplog.step("verify", "reading the threshold back from /server_info"):
         info = serverinfo.server_info(ctx)
         if info is None:
@@ -71,10 +73,18 @@ def _verify(ctx, oplog, strategy, threshold):
             if threshold is not None and threshold < 0:  # never disable: speculation as configured, no config
                 if adaptive:
                     raise AgentError("threshold -1 must run without --speculative-adaptive, but it is on", "failed")
-                return {"threshold_in_force": threshold}
+                return {"threshold_in_force": threshold, "threshold_requested": threshold}
             if not adaptive:
                 raise AgentError("the server runs without --speculative-adaptive", "failed")
-            return {"threshold_in_force": threshold, "adaptive_config": info.get("speculative_adaptive_config")}
+            cut, problem = serverinfo.adaptive_threshold(info)
+            if problem is not None:
+                raise AgentError("the server's threshold cannot be read back: %s" % problem, "failed")
+            expected = threshold if effective is None else effective
+            if cut != expected:
+                raise AgentError("the server's adaptive config disables speculation above %r, expected %r"
+                                 % (cut, expected), "failed")
+            return {"threshold_in_force": cut, "threshold_requested": threshold,
+                    "adaptive_config": info.get("speculative_adaptive_config")}
         value = serverinfo.threshold_in_force(info)
         if value != threshold:
             raise AgentError("the server reports threshold %r, expected %r" % (value, threshold), "failed")
@@ -164,7 +174,7 @@ def _soak(ctx, oplog, seconds, poll=0.05):
 
 
 def op_deploy(ctx, oplog, files, sglang_version, strategy, threshold, launch_argv, baseline_argv,
-              artifacts=None, grace=60, ready_timeout=900, soak=DEFAULT_SOAK_S, **_):
+              artifacts=None, grace=60, ready_timeout=900, soak=DEFAULT_SOAK_S, effective_threshold=None, **_):
     loc = servers.locate(ctx)
     servers.preflight(ctx, loc, "deploy")
     _recover(ctx, oplog)
@@ -172,7 +182,8 @@ def op_deploy(ctx, oplog, files, sglang_version, strategy, threshold, launch_arg
     running = loc["server"]
     with oplog.step("switch", "validate with %s, back up, swap %d file(s)" % (ctx.python, len(files))):
         applied = patch.apply_release(ctx, files, sglang_version, strategy=strategy, threshold=threshold,
-                                launch_argv=launch_argv, artifacts=artifacts)
+                                      launch_argv=launch_argv, artifacts=artifacts,
+                                      effective_threshold=effective_threshold)
     release = applied["release"]
     argv = applied["manifest"]["launch_argv"]
     oplog.emit("info", text="release %s in force (files changed: %d)" % (release, len(files)))
@@ -181,7 +192,7 @@ def op_deploy(ctx, oplog, files, sglang_version, strategy, threshold, launch_arg
             stopped = shutdown.stop_server(ctx, grace=grace)
             oplog.emit("info", text=shutdown.summary(stopped))
         ready = _gate(ctx, oplog, argv, release, ready_timeout)
-        verified = _verify(ctx, oplog, strategy, threshold)
+        verified = _verify(ctx, oplog, strategy, threshold, effective_threshold)
         verified.update(_soak(ctx, oplog, soak))
     except AgentError as err:
         oplog.warn("deploy failed: %s" % err)

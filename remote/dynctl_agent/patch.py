@@ -45,7 +45,7 @@ def patch_read(ctx, files=(), **_):
 
 
 def apply_release(ctx, files, sglang_version, strategy="patch", threshold=None, launch_argv=None,
-                  artifacts=None, import_check_timeout=300.0):
+                  artifacts=None, import_check_timeout=300.0, effective_threshold=None):
     """Swap in new file texts as one transaction and record a release (caller holds the host lock).
 
     files: [{path, sha256_before, sha256_after, text}] (paths relative to the sglang package).
@@ -142,6 +142,8 @@ def apply_release(ctx, files, sglang_version, strategy="patch", threshold=None, 
         "id": release_id, "seq": seq, "created": store.now_iso(), "who": ctx.who, "client": ctx.client.get("hostname"),
         "sglang_version": sglang_version, "package_dir": package_dir, "python": ctx.python, "strategy": strategy,
         "threshold": threshold,
+        # what the server enforces when that differs from the threshold asked for (native: CUDA-graph padding)
+        "effective_threshold": threshold if effective_threshold is None else effective_threshold,
         "launch_argv": None if launch_argv is None else [str(a).replace("{release_dir}", release_dir)
                                                           for a in launch_argv],
         "files": [{"path": e["path"], "sha256_before": e["sha256_before"], "sha256_after": e["sha256_after"],

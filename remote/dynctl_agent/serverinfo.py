@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from dynctl import sglang
 from dynctl_agent import httpclient, lock, releases, servers, store
 from dynctl_agent.protocol import AgentError
@@ -21,6 +23,27 @@ def server_info(ctx, timeout=5.0):
 def threshold_in_force(info):
     """The runtime threshold (internal_states carry runtime updates; top-level keys are the launch copy)."""
     return sglang.threshold_in_force(info or {})
+
+
+def adaptive_threshold(info):
+    """(threshold, problem) a native server enforces, derived from what its /server_info reports: the adaptive
+    config file it names and the batch sizes it pads to. (None, why) when that cannot be told; -1 when its
+    config speculates at every batch size; (None, None) when the server runs without --speculative-adaptive."""
+    info = info or {}
+    if not info.get("speculative_adaptive"):
+        return None, None
+    path = info.get("speculative_adaptive_config")
+    if not path:
+        return None, "it runs with --speculative-adaptive but reports no --speculative-adaptive-config"
+    try:
+        with open(str(path), encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError) as err:
+        return None, "its adaptive config %s cannot be read: %s" % (path, getattr(err, "strerror", None) or err)
+    cut = sglang.adaptive_cut(config if isinstance(config, dict) else {}, sglang.adaptive_pad_sizes(info))
+    if cut is None:
+        return None, "its adaptive config %s does not switch speculation off at one batch size" % path
+    return cut, None
 
 
 def server_info_verb(ctx, **_):

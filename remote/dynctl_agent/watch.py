@@ -13,7 +13,7 @@ import threading
 import time
 
 from dynctl import sglang
-from dynctl_agent import httpclient, lock, nvidia, procfs, releases, servers
+from dynctl_agent import httpclient, lock, nvidia, procfs, releases, serverinfo, servers
 from dynctl_agent.protocol import AgentError
 
 _METRICS_CAP = 4 << 20
@@ -63,6 +63,8 @@ def _server_info(ctx, timeout):
     states = data.get("internal_states")
     first = states[0] if isinstance(states, list) and states and isinstance(states[0], dict) else {}
     out["internal_state"] = {k: first[k] for k in sglang.INTERNAL_STATE_KEYS if k in first}
+    if data.get("speculative_adaptive"):  # native: the cut its own config enforces, read from the file it names
+        out["adaptive_threshold"], out["adaptive_problem"] = serverinfo.adaptive_threshold(data)
     return {"ok": True, "data": out}
 
 
@@ -202,7 +204,8 @@ def _release(ctx):
     manifest = releases.in_force(ctx)
     if manifest is None:
         return None
-    out = {k: manifest.get(k) for k in ("strategy", "threshold", "sglang_version", "created", "who", "state")}
+    out = {k: manifest.get(k) for k in ("strategy", "threshold", "effective_threshold", "sglang_version", "created",
+                                        "who", "state")}
     out["id"] = manifest["id"]
     return out
 
