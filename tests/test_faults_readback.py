@@ -140,3 +140,44 @@ def test_status_shows_no_threshold_for_a_server_that_reports_none(demo_box):
                            text=True, env=dict(os.environ, COLUMNS="200"), timeout=120)
     line = next(l for l in shown.stdout.splitlines() if l.startswith("threshold"))
     assert "none reported by /server_info" in line and "recorded 7" in line
+
+
+# --------------------------------------------------------------------------- an unreadable release record
+
+
+@pytest.mark.parametrize("damage", ["garbage", "removed", "other release"])
+def test_an_unreadable_record_of_the_release_in_force_is_a_preflight_refusal(demo_box, damage):
+    config = demo_box(via="local")
+    start_baseline(config)
+    deployed = dynctl("deploy", "--threshold", "5", "--yes", config=config)
+    assert deployed.returncode == 0, deployed.stdout + deployed.stderr
+    patched = tree_sha256(config)
+    release = session(config).agent.call("releases")["current"]
+    manifest = workdir(config) / "releases" / release / "manifest.json"
+    if damage == "garbage":
+        manifest.write_text('{"id": "' + release + '", "files": [')
+    elif damage == "removed":
+        manifest.unlink()
+    else:
+        manifest.write_text(json.dumps({"id": "0007-20260101T000000Z", "files": []}))
+
+    for argv in (["rollback", "--yes"], ["deploy", "--threshold", "7", "--yes"], ["patch", "revert", "--yes"]):
+        refused = dynctl(*argv, config=config)
+        said = " ".join(refused.stderr.split())
+        assert refused.returncode == 3, (argv, refused.stdout + refused.stderr)
+        assert f"the record of release {release}" in said and str(manifest) in said, said
+        assert str(manifest.parent / "orig") in said and "nothing was changed" in said
+        assert tree_sha256(config) == patched
+    assert in_force(config) == 5  # the server was not touched either
+
+
+def test_a_release_directory_without_a_record_below_a_later_release_is_refused(demo_box):
+    config = demo_box(via="local")
+    start_baseline(config)
+    assert dynctl("deploy", "--threshold", "5", "--yes", config=config).returncode == 0
+    assert dynctl("deploy", "--threshold", "7", "--yes", config=config).returncode == 0
+    first = json.loads(dynctl("releases", "--json", config=config).stdout)[-1]["id"]
+    (workdir(config) / "releases" / first / "manifest.json").unlink()
+    refused = dynctl("rollback", "--yes", config=config)
+    assert refused.returncode == 3 and f"the record of release {first}" in " ".join(refused.stderr.split())
+    assert in_force(config) == 7

@@ -177,6 +177,7 @@ def op_deploy(ctx, oplog, files, sglang_version, strategy, threshold, launch_arg
               artifacts=None, grace=60, ready_timeout=900, soak=DEFAULT_SOAK_S, effective_threshold=None, **_):
     loc = servers.locate(ctx)
     servers.preflight(ctx, loc, "deploy")
+    releases.require_records(ctx)
     _recover(ctx, oplog)
     previous, previous_argv = _previous_argv(ctx, baseline_argv)
     running = loc["server"]
@@ -225,6 +226,7 @@ def _roll_back_after_failure(ctx, oplog, release, previous_argv, was_running, gr
 
 
 def op_rollback(ctx, oplog, baseline_argv, to=None, grace=60, ready_timeout=900, soak=DEFAULT_SOAK_S, **_):
+    releases.require_records(ctx)
     chosen = _rollback_target(ctx, to, releases.manifests(ctx))
     loc = servers.locate(ctx)
     servers.preflight(ctx, loc, "rollback")

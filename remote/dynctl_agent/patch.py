@@ -61,6 +61,7 @@ def apply_release(ctx, files, sglang_version, strategy="patch", threshold=None, 
                          % (found["sglang"]["version"], sglang_version), "preflight")
     ctx.ensure_workdir()
     os.makedirs(releases.root(ctx), mode=0o700, exist_ok=True)
+    releases.require_records(ctx)
     incomplete = [m["id"] for m in releases.manifests(ctx) if m.get("state") == "applying"]
     if incomplete:
         raise AgentError(releases.interrupted_message(incomplete[0]), "preflight")
@@ -328,6 +329,7 @@ def patch_apply(ctx, files, sglang_version, strategy="patch", threshold=None, la
 def patch_revert(ctx, release=None, all=False, **_):
     """Revert the release in force (or `release`); all=True reverts every applied release, newest first."""
     with lock.host_lock(ctx, "patch revert"), lock.hangup_shield():
+        releases.require_records(ctx)
         if not all:
             return {"reverted": [revert_release(ctx, release)], "current": releases.current(ctx)}
         done = []
