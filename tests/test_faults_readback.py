@@ -181,3 +181,93 @@ def test_a_release_directory_without_a_record_below_a_later_release_is_refused(d
     refused = dynctl("rollback", "--yes", config=config)
     assert refused.returncode == 3 and f"the record of release {first}" in " ".join(refused.stderr.split())
     assert in_force(config) == 7
+
+
+# --------------------------------------------------------------------------- the patch's module after a reinstall
+
+MODULE = "srt/speculative/spec_batch_threshold.py"
+
+
+def pip_install(wheel: Path, prefix: Path, *extra: str) -> Path:
+    """Install the sglang wheel as pip does into a site-packages (pip sees it there, so a reinstall uninstalls
+    the files its RECORD lists first and leaves any other file in the package alone)."""
+    site = prefix / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index", "--no-compile",
+                    "--disable-pip-version-check", "--prefix", str(prefix), *extra, str(wheel)],
+                   check=True, capture_output=True, text=True, timeout=300,
+                   env=dict(os.environ, PYTHONPATH=str(site)))
+    return site
+
+
+@pytest.fixture
+def reinstalled_box(tmp_path):
+    """A real sglang 0.5.9 install, patched by dynctl, then `pip install --force-reinstall`ed over."""
+    from sglang_trees import sglang_wheel
+
+    from dynctl.agent import AgentClient
+    from dynctl.config import HostConfig
+    from dynctl.transport.local import Local
+
+    wheel = sglang_wheel("0.5.9")
+    site = pip_install(wheel, tmp_path / "prefix")
+    host = HostConfig(name="box", python=sys.executable, workdir=str(tmp_path / "wd"), env={"PYTHONPATH": str(site)})
+    agent = AgentClient(Local(), host)
+    return agent, site, lambda: pip_install(wheel, tmp_path / "prefix", "--force-reinstall")
+
+
+def test_a_reinstall_over_a_patched_tree_leaves_dynctls_module_which_the_next_apply_takes_in(reinstalled_box):
+    from dynctl.patching.host import apply_plan, plan_for_apply, read_patch_state, revert
+
+    agent, site, reinstall = reinstalled_box
+    pristine = tree_sha256(site)
+    apply_plan(agent, plan_for_apply(read_patch_state(agent)), threshold=5)
+    patched = tree_sha256(site)
+    module = site / "sglang" / MODULE
+    shipped = module.read_bytes()
+    reinstall()
+    assert module.read_bytes() == shipped  # pip kept the file its RECORD does not list
+    after_reinstall = tree_sha256(site)
+    assert after_reinstall not in (pristine, patched)
+
+    state = read_patch_state(agent)
+    assert state.status == "not applied", state.detail
+    plan = plan_for_apply(state)
+    assert plan.leftover == MODULE and MODULE in plan.message
+    result = apply_plan(agent, plan, threshold=5)
+    assert tree_sha256(site) == patched
+    release_dir = Path(result["release_dir"])
+    assert (release_dir / "orig" / MODULE).read_bytes() == shipped  # backed up like every file it replaces
+
+    revert(agent)
+    assert tree_sha256(site) == after_reinstall  # the tree as before this apply, the leftover included
+
+
+def test_an_earlier_dynctls_module_is_replaced_and_restored_byte_for_byte(reinstalled_box):
+    from dynctl.patching.host import apply_plan, plan_for_apply, read_patch_state, revert
+
+    agent, site, _ = reinstalled_box
+    module = site / "sglang" / MODULE
+    older = module
+    from dynctl.patching.recipe import new_module_text
+
+    header = new_module_text().split("\n", 1)[0]
+    old_text = header + "\n\n`--speculative-disable-batch-threshold N` (an earlier dynctl's module)\n\"\"\"\nX = 1\n"
+    older.write_text(old_text)
+    before = tree_sha256(site)
+    applied = apply_plan(agent, plan_for_apply(read_patch_state(agent)), threshold=5)
+    assert module.read_text() == new_module_text()
+    assert (Path(applied["release_dir"]) / "orig" / MODULE).read_text() == old_text
+    revert(agent)
+    assert tree_sha256(site) == before and module.read_text() == old_text
+
+
+def test_a_module_at_that_path_that_is_not_dynctls_is_refused_naming_it(reinstalled_box):
+    from dynctl.errors import PreflightError
+    from dynctl.patching.host import plan_for_apply, read_patch_state
+
+    agent, site, _ = reinstalled_box
+    (site / "sglang" / MODULE).write_text("# someone else's module\n")
+    before = tree_sha256(site)
+    with pytest.raises(PreflightError, match=f"{MODULE} is in the sglang package.*not the module dynctl adds"):
+        plan_for_apply(read_patch_state(agent))
+    assert tree_sha256(site) == before
