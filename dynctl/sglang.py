@@ -123,6 +123,80 @@ def metric_lines(text: str, names=None) -> str:
     return "\n".join(keep) + "\n"
 
 
+# --------------------------------------------------------------------------- API keys
+
+API_KEY_FLAG = "--api-key"
+ADMIN_API_KEY_FLAG = "--admin-api-key"
+SECRET_FLAGS = (API_KEY_FLAG, ADMIN_API_KEY_FLAG)
+REDACTED = "***"
+# AuthLevel.ADMIN_OPTIONAL endpoints (http_server.py): the admin key when the server has one, else the API key
+ADMIN_PATHS = ("/set_internal_state", "/flush_cache")
+_SECRET_IN_TEXT = re.compile(r"(--(?:admin-)?api-key)(=|\s+)(?:'[^']*'|\"[^\"]*\"|\S+)")
+# the server's own `server_args=ServerArgs(..., api_key='...')` log line, and /server_info as JSON text
+_SECRET_FIELD_IN_TEXT = re.compile(r"""(\b(?:admin_)?api_key=|"(?:admin_)?api_key":\s*)(['"])(?:(?!\2).)*\2""")
+SECRET_FIELDS = ("api_key", "admin_api_key")
+
+
+def api_keys(argv) -> dict:
+    """{"api_key", "admin_api_key"} a server argv passes (later flags win, like argparse); {} without them."""
+    keys = {}
+    args = [a for a in (argv or []) if isinstance(a, str)]
+    for i, arg in enumerate(args):
+        flag, eq, inline = arg.partition("=")
+        if flag in SECRET_FLAGS:
+            value = inline if eq else (args[i + 1] if i + 1 < len(args) else None)
+            if value:
+                keys[flag[2:].replace("-", "_")] = value
+    return keys
+
+
+def bearer_for(keys, path: str):
+    """The key to send with a request for `path` to a server started with `keys` (sglang utils/auth.py
+    decide_request_auth): none for /health* and /metrics, which are always open; the admin key (else the
+    API key) for the admin endpoints; the API key for every other one."""
+    if not keys:
+        return None
+    path = path.split("?", 1)[0]
+    if path.startswith("/health") or path.startswith("/metrics"):
+        return None
+    if path in ADMIN_PATHS:
+        return keys.get("admin_api_key") or keys.get("api_key")
+    return keys.get("api_key")
+
+
+def redact_argv(argv) -> list:
+    """argv with the values of --api-key and --admin-api-key (either spelling) replaced by ***."""
+    out, hide = [], False
+    for arg in argv or []:
+        if hide and isinstance(arg, str):
+            out.append(REDACTED)
+            hide = False
+            continue
+        hide = False
+        flag, eq, _ = arg.partition("=") if isinstance(arg, str) else ("", "", "")
+        if flag in SECRET_FLAGS:
+            out.append(flag + "=" + REDACTED if eq else arg)
+            hide = not eq
+        else:
+            out.append(arg)
+    return out
+
+
+def redact(value):
+    """A record (str, list, dict, nested) with every secret flag's value replaced by ***, for what is shown
+    or written down: journal, operation records, events, the live view."""
+    if isinstance(value, str):
+        value = _SECRET_IN_TEXT.sub(lambda m: m.group(1) + m.group(2) + REDACTED, value)
+        return _SECRET_FIELD_IN_TEXT.sub(lambda m: m.group(1) + m.group(2) + REDACTED + m.group(2), value)
+    if isinstance(value, (list, tuple)):
+        items = redact_argv(list(value)) if any(isinstance(v, str) for v in value) else list(value)
+        return [redact(v) for v in items]
+    if isinstance(value, dict):
+        return {k: REDACTED if k in SECRET_FIELDS and isinstance(v, str) and v else redact(v)
+                for k, v in value.items()}
+    return value
+
+
 # --------------------------------------------------------------------------- server defaults and rules
 
 SPEC_DEFAULT_MAX_RUNNING = 48  # sglang's default --max-running-requests with speculative decoding

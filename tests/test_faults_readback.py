@@ -271,3 +271,81 @@ def test_a_module_at_that_path_that_is_not_dynctls_is_refused_naming_it(reinstal
     with pytest.raises(PreflightError, match=f"{MODULE} is in the sglang package.*not the module dynctl adds"):
         plan_for_apply(read_patch_state(agent))
     assert tree_sha256(site) == before
+
+
+# --------------------------------------------------------------------------- servers that require an API key
+
+KEY, ADMIN_KEY = "sk-test-9f2c41", "sk-admin-77ab03"
+
+
+def with_server_args(config: Path, *extra: str) -> None:
+    """Add launch flags to the demo host's configured `args` (a TOML array of strings)."""
+    lines = config.read_text().splitlines()
+    i = next(n for n, line in enumerate(lines) if line.startswith("args = "))
+    args = json.loads(lines[i][len("args = "):]) + list(extra)
+    lines[i] = "args = " + json.dumps(args)
+    config.write_text("\n".join(lines) + "\n")
+
+
+def secrets_in(folder: Path) -> list[str]:
+    """Files under `folder` that hold a key in the clear, other than the records a restart needs (the
+    operation requests, the release manifests and the pidfile carry the argv to run; all 0600) and the
+    server's own log (sglang logs its server_args, key included)."""
+    needed = {"server.json", "manifest.json", "server.log"}
+    found = []
+    for path in folder.rglob("*"):
+        if path.is_file() and path.name not in needed and not (path.parent.name == "ops" and path.suffix == ".json"):
+            data = path.read_bytes()
+            if KEY.encode() in data or ADMIN_KEY.encode() in data:
+                found.append(str(path.relative_to(folder)))
+    return found
+
+
+@pytest.mark.parametrize("spelling", ["separate", "equals"])
+def test_a_server_that_requires_an_api_key_is_deployed_checked_and_changed_live(demo_box, spelling):
+    config = demo_box(via="local")
+    if spelling == "separate":
+        with_server_args(config, "--api-key", KEY, "--admin-api-key", ADMIN_KEY)
+    else:
+        with_server_args(config, f"--api-key={KEY}", f"--admin-api-key={ADMIN_KEY}")
+    start_baseline(config)
+    info = session(config).host
+    port = info.port
+    import httpx
+
+    # the simulator refuses what sglang refuses: no key, the wrong key, the API key for an admin endpoint
+    assert httpx.get(f"http://127.0.0.1:{port}/server_info").status_code == 401
+    assert httpx.post(f"http://127.0.0.1:{port}/generate", json={"text": "hi"}).status_code == 401
+    assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
+    assert httpx.post(f"http://127.0.0.1:{port}/set_internal_state", json={"server_args": {}},
+                      headers={"Authorization": f"Bearer {KEY}"}).status_code == 401
+
+    dry = dynctl("deploy", "--threshold", "5", "--dry-run", config=config)
+    assert dry.returncode == 0 and KEY not in dry.stdout and ADMIN_KEY not in dry.stdout
+    assert "--api-key" in dry.stdout and "***" in dry.stdout
+    out = dynctl("deploy", "--threshold", "5", "--yes", "--ready-timeout", "30", config=config)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "threshold 5 in force" in out.stdout
+    assert KEY not in out.stdout + out.stderr and ADMIN_KEY not in out.stdout + out.stderr
+    assert in_force(config) == 5
+
+    live = dynctl("threshold", "3", "--yes", config=config)  # /set_internal_state takes the admin key
+    assert live.returncode == 0 and "threshold 3 in force" in live.stdout, live.stdout + live.stderr
+    status = dynctl("status", "--json", config=config)
+    assert status.returncode == 0 and json.loads(status.stdout)["server"]["threshold"] == 3
+    assert KEY not in status.stdout
+    back = dynctl("rollback", "--yes", config=config)
+    assert back.returncode == 0 and "rolled back" in back.stdout, back.stdout + back.stderr
+    follow = dynctl("ops", "follow", config=config)
+    assert KEY not in follow.stdout + follow.stderr
+    assert secrets_in(workdir(config)) == []
+
+
+def test_the_api_key_alone_also_opens_the_admin_endpoints(demo_box):
+    config = demo_box(via="local")
+    with_server_args(config, "--api-key", KEY)
+    start_baseline(config)
+    assert dynctl("deploy", "--threshold", "5", "--yes", "--ready-timeout", "30", config=config).returncode == 0
+    live = dynctl("threshold", "2", "--yes", config=config)
+    assert live.returncode == 0 and "threshold 2 in force" in live.stdout, live.stdout + live.stderr
+    assert secrets_in(workdir(config)) == []

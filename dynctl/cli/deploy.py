@@ -11,6 +11,7 @@ from rich.syntax import Syntax
 from rich.table import Table
 
 from dynctl import deploy as core
+from dynctl import sglang
 from dynctl.cli.common import (
     ConfigOpt,
     HostOpt,
@@ -67,13 +68,13 @@ def deploy(
         console.print_json(json.dumps({"changed": False, "message": plan.noop}))
     elif as_json:
         elapsed = time.monotonic() - t0
-        console.print_json(json.dumps(dict(done.result, elapsed=elapsed, round_trips=session.agent.round_trips),
-                                      default=str))
+        result = dict(done.result, elapsed=elapsed, round_trips=session.agent.round_trips)
+        console.print_json(json.dumps(sglang.redact(result), default=str))
 
 
 def _print_plan(host: str, plan: core.DeployPlan, as_json: bool) -> None:
     if as_json:
-        console.print_json(json.dumps(dict(plan.to_json(), diff=plan.diff)))
+        console.print_json(json.dumps(sglang.redact(dict(plan.to_json(), diff=plan.diff))))
         return
     console.print(f"[bold]{host}[/]: sglang {plan.sglang_version}, strategy {plan.strategy}; "
                   f"{escape(plan.patch_detail)}")
@@ -82,7 +83,7 @@ def _print_plan(host: str, plan: core.DeployPlan, as_json: bool) -> None:
     if plan.threshold_in_effect != plan.threshold:
         console.print(f"[bold]threshold:[/] {plan.threshold} requested, {plan.threshold_in_effect} in effect "
                       f"(sglang's CUDA-graph padding)")
-    console.print("[bold]launch argv:[/] " + escape(sh_join(plan.launch_argv)), soft_wrap=True)
+    console.print("[bold]launch argv:[/] " + escape(sh_join(sglang.redact_argv(plan.launch_argv))), soft_wrap=True)
     if plan.noop:
         console.print(f"[green]{escape(plan.noop)}[/]")
     console.print("[dim]dry run: nothing was changed[/]")
@@ -113,7 +114,7 @@ def rollback(
     result = core.rollback(session.agent, session.host, to, EventPrinter(quiet=as_json, verbose=verbose), grace=grace,
                            ready_timeout=ready_timeout, soak=soak, confirm=lambda question: confirm(question, yes))
     if as_json:
-        console.print_json(json.dumps(result, default=str))
+        console.print_json(json.dumps(sglang.redact(result), default=str))
 
 
 @handle_errors
@@ -126,7 +127,7 @@ def releases(
     session = open_host(host, config)
     items = core.list_releases(session.agent)
     if as_json:
-        console.print_json(json.dumps(items, default=str))
+        console.print_json(json.dumps(sglang.redact(items), default=str))
         return
     if not items:
         console.print(f"no releases on {session.host.name} yet")

@@ -9,6 +9,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
+from dynctl import sglang
 from dynctl.cli.common import ConfigOpt, HostOpt, JsonOpt, console, handle_errors, open_host
 from dynctl.config import load_config
 from dynctl.errors import DynctlError
@@ -31,7 +32,7 @@ def hosts(
     cfg = load_config(config)
     results = probe_hosts(cfg)
     if as_json:
-        console.print_json(json.dumps([r.to_dict() for r in results]))
+        console.print_json(json.dumps(sglang.redact([r.to_dict() for r in results])))
     else:
         table = Table("host", "via", "reachable", "latency", "note", box=None, pad_edge=False)
         for r in results:
@@ -64,7 +65,7 @@ def status(
         except DynctlError as err:
             report.setdefault("warnings", []).append(str(err))
     if as_json:
-        console.print_json(json.dumps(report, default=str))
+        console.print_json(json.dumps(sglang.redact(report), default=str))
         return
     render_host(info)
     if "server" in report:
@@ -97,7 +98,8 @@ def render_host(info: HostInfo) -> None:
         wd_line += f"  {free / 2**30:.1f} GiB free"
     table.add_row("workdir", wd_line)
     table.add_row("nvidia-smi", info.nvidia_smi or "[dim]absent[/]")
-    listeners = ", ".join(f"pid {p['pid']} ({' '.join(p.get('cmdline') or [])[:60]})" for p in info.port_listeners)
+    listeners = ", ".join(f"pid {p['pid']} ({' '.join(sglang.redact_argv(p.get('cmdline') or []))[:60]})"
+                          for p in info.port_listeners)
     table.add_row("port", f"{info.port}  " + (listeners or "[dim]nothing listening[/]"))
     console.print(table)
 

@@ -29,6 +29,7 @@ import re
 import shutil
 import time
 
+from dynctl import sglang
 from dynctl_agent import procfs, store
 from dynctl_agent.protocol import AgentError
 
@@ -40,10 +41,10 @@ EVENTS_CAP = 8 << 20  # a start that logs for 15 minutes must not fill the disk 
 
 
 def append(path, record):
-    """Append one JSON line; returns the size of the file after it."""
+    """Append one JSON line (API keys in it redacted); returns the size of the file after it."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
-        os.write(fd, (json.dumps(record, default=str) + "\n").encode())
+        os.write(fd, (json.dumps(sglang.redact(record), default=str) + "\n").encode())
         return os.fstat(fd).st_size
     finally:
         os.close(fd)

@@ -14,7 +14,7 @@ STATE_FILE = "state.json"
 def server_info(ctx, timeout=5.0):
     """/server_info of the managed server on this host, as a dict (or None when it does not answer)."""
     try:
-        info = httpclient.server_info("127.0.0.1", ctx.port, timeout)
+        info = httpclient.server_info("127.0.0.1", ctx.port, timeout, keys=servers.api_keys(ctx))
     except httpclient.FAILURES:
         return None
     return info if isinstance(info, dict) else None
@@ -72,8 +72,10 @@ def _set_threshold(ctx, threshold, host, port, timeout):
             raise AgentError("%s; the threshold was not sent (%s)" % (found["text"], found["hint"]), "preflight",
                              not_ours=found["text"])
     where = "%s:%d" % (host, port)
+    keys = servers.api_keys(ctx) if port == ctx.port else None
     try:
-        httpclient.post_json(host, port, sglang.SET_INTERNAL_STATE, sglang.set_threshold_body(threshold), timeout)
+        httpclient.post_json(host, port, sglang.SET_INTERNAL_STATE, sglang.set_threshold_body(threshold), timeout,
+                             keys=keys)
     except httpclient.FAILURES as err:
         if httpclient.is_refused(err):
             # Nothing was sent, so nothing changed ("down": exit 3), unlike a request that failed half-way.
@@ -83,7 +85,7 @@ def _set_threshold(ctx, threshold, host, port, timeout):
         raise AgentError("server at %s: cannot change the threshold: %s %s"
                          % (where, sglang.SET_INTERNAL_STATE, httpclient.describe(err, timeout)), "failed") from None
     try:
-        info = httpclient.server_info(host, port, timeout)
+        info = httpclient.server_info(host, port, timeout, keys=keys)
     except httpclient.FAILURES as err:
         raise AgentError("server at %s took the threshold change, but reading it back failed: /server_info %s"
                          % (where, httpclient.describe(err, timeout)), "failed") from None

@@ -108,6 +108,11 @@ def read_pidfile(ctx):
     return store.read_json(ctx.path(PIDFILE)) if os.path.isdir(ctx.workdir) else None
 
 
+def api_keys(ctx):
+    """The API keys our server was started with (its recorded argv), for the requests that need them."""
+    return sglang.api_keys((read_pidfile(ctx) or {}).get("argv"))
+
+
 def write_pidfile(ctx, record):
     ctx.ensure_workdir()
     store.write_json_atomic(ctx.path(PIDFILE), record)

@@ -8,6 +8,8 @@ import hashlib
 import json
 import os
 
+from dynctl import sglang
+
 JOURNAL = "journal.jsonl"
 JOURNAL_ROTATE = 16 << 20  # beyond this the journal moves to journal.jsonl.1 (one old copy is kept)
 
@@ -19,7 +21,7 @@ def journal(ctx, event, **fields):
     """Append one JSON line to workdir/journal.jsonl (0600)."""
     ctx.ensure_workdir()
     record = {"t": now_iso(), "event": event, "who": ctx.who}
-    record.update(fields)
+    record.update(sglang.redact(fields))  # a journal is read by people: no API key in it
     path = ctx.path(JOURNAL)
     rotate(path, JOURNAL_ROTATE)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)

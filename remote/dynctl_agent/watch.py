@@ -41,7 +41,7 @@ def _loads(ctx, timeout):
     only written every decode_log_interval steps and, once idle, every 30 s (scheduler_runtime_checker_mixin
     check_memory), so they lag exactly when load moves."""
     try:
-        data = httpclient.get_json("127.0.0.1", ctx.port, sglang.LOADS_PATH, timeout, 1 << 20)
+        data = httpclient.get_json("127.0.0.1", ctx.port, sglang.LOADS_PATH, timeout, 1 << 20, servers.api_keys(ctx))
     except httpclient.FAILURES as err:
         return {"ok": False, "error": httpclient.short(err)}
     loads = data.get("loads") if isinstance(data, dict) else None
@@ -54,7 +54,7 @@ def _loads(ctx, timeout):
 
 def _server_info(ctx, timeout):
     try:
-        data = httpclient.server_info("127.0.0.1", ctx.port, timeout, 8 << 20)
+        data = httpclient.server_info("127.0.0.1", ctx.port, timeout, 8 << 20, servers.api_keys(ctx))
     except httpclient.FAILURES as err:
         return {"ok": False, "error": httpclient.short(err)}
     if not isinstance(data, dict):
