@@ -161,7 +161,8 @@ def test_an_unreadable_record_of_the_release_in_force_is_a_preflight_refusal(dem
     else:
         manifest.write_text(json.dumps({"id": "0007-20260101T000000Z", "files": []}))
 
-    for argv in (["rollback", "--yes"], ["deploy", "--threshold", "7", "--yes"], ["patch", "revert", "--yes"]):
+    for argv in (["rollback", "--yes"], ["deploy", "--threshold", "7", "--yes"], ["patch", "revert", "--yes"],
+                 ["restart", "--yes"]):
         refused = dynctl(*argv, config=config)
         said = " ".join(refused.stderr.split())
         assert refused.returncode == 3, (argv, refused.stdout + refused.stderr)
