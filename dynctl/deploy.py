@@ -50,7 +50,8 @@ class DeployPlan:
     def to_json(self) -> dict[str, Any]:
         return {
             "host": self.host.name, "sglang_version": self.sglang_version, "strategy": self.strategy,
-            "threshold": self.threshold, "effective_threshold": self.threshold_in_effect, "files": [f["path"] for f in self.files], "launch_argv": self.launch_argv,
+            "threshold": self.threshold, "effective_threshold": self.threshold_in_effect,
+            "files": [f["path"] for f in self.files], "launch_argv": self.launch_argv,
             "artifacts": self.artifacts, "warnings": self.warnings, "patch": self.patch_detail, "noop": self.noop,
         }
 
@@ -148,7 +149,8 @@ def deploy(agent: AgentClient, dplan: DeployPlan, on_event: events.EventSink = e
     params = {
         "files": dplan.files, "sglang_version": dplan.sglang_version, "strategy": dplan.strategy,
         "threshold": dplan.threshold, "launch_argv": dplan.launch_argv, "baseline_argv": dplan.baseline_argv,
-        "artifacts": dplan.artifacts, "effective_threshold": dplan.effective_threshold, "grace": grace, "ready_timeout": ready_timeout, "soak": soak,
+        "artifacts": dplan.artifacts, "effective_threshold": dplan.effective_threshold, "grace": grace,
+        "ready_timeout": ready_timeout, "soak": soak,
     }
     return operations.execute(agent, "deploy", params, on_event)
 

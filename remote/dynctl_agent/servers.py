@@ -183,7 +183,8 @@ def locate(ctx):
         elif st is None or st["state"] in ("Z", "X"):
             note = "stale: pid %d is gone" % pid
         elif st["start"] != rec.get("pid_start") or not _is_recorded(pid, rec):
-            note = "stale: pid %d now belongs to another process (%s)" % (pid, " ".join(procfs.cmdline(pid))[:120])
+            note = "stale: pid %d now belongs to another process (%s)" % (
+                pid, " ".join(sglang.redact_argv(procfs.cmdline(pid)))[:120])
         else:
             note = "ok"
             server = dict(pid=pid, start=st["start"], sid=st["sid"], source="pidfile",

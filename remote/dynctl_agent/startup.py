@@ -37,7 +37,8 @@ def start_server(ctx, argv, env=None, release=None):
         if servers.argv_matches(server["argv"], argv):
             return {"already_running": True, "pid": server["pid"], "argv": server["argv"], "source": server["source"]}
         raise AgentError("a server is already running on port %d (pid %d, found by %s: %s); stop it first"
-                         % (ctx.port, server["pid"], server["source"], " ".join(sglang.redact_argv(server["argv"]))[:200]), "preflight")
+                         % (ctx.port, server["pid"], server["source"],
+                            " ".join(sglang.redact_argv(server["argv"]))[:200]), "preflight")
     servers.preflight(ctx, loc, "start")
     if loc["leftovers"]:
         raise AgentError("processes of the previous server are still alive (pids %s); run `dynctl stop` first"
