@@ -44,6 +44,12 @@ class DeployPlan:
     # the operator's server on the port, not started by dynctl: {"pid", "start", "cmdline", "argv_diff", ...}
     operator: dict[str, Any] | None = None
     adopt: dict[str, Any] | None = None  # the operator's word to take it over, pinned: {"pid", "start"}
+    # what the server will enforce, when that differs from `threshold` (native: sglang's CUDA-graph padding)
+    effective_threshold: int | None = None
+
+    @property
+    def threshold_in_effect(self) -> int:
+        return self.threshold if self.effective_threshold is None else self.effective_threshold
 
     def to_json(self) -> dict[str, Any]:
         operator = None
@@ -53,7 +59,8 @@ class DeployPlan:
                         "adoptable": self.operator.get("adoptable")}
         return {
             "host": self.host.name, "sglang_version": self.sglang_version, "strategy": self.strategy,
-            "threshold": self.threshold, "files": [f["path"] for f in self.files], "launch_argv": self.launch_argv,
+            "threshold": self.threshold, "effective_threshold": self.threshold_in_effect,
+            "files": [f["path"] for f in self.files], "launch_argv": self.launch_argv,
             "artifacts": self.artifacts, "warnings": self.warnings, "patch": self.patch_detail, "noop": self.noop,
             "operator_server": operator,
         }
@@ -63,7 +70,7 @@ class DeployPlan:
         op = self.operator
         if not op:
             return None
-        cmdline = events.one_line(op.get("cmdline"), 300)
+        cmdline = events.one_line(sglang.redact_argv(op.get("cmdline")), 300)
         return (f"pid {op['pid']} on the port was not started by dynctl: {cmdline}; argv "
                 f"against the launch argv below: {op.get('argv_diff') or '?'}")
 
@@ -95,7 +102,8 @@ def plan_deploy(agent: AgentClient, host: HostConfig, threshold: Any) -> DeployP
         diff = "" if not artifacts else f"--- /dev/null\n+++ b/{ADAPTIVE_CONFIG}\n" + "".join(
             f"+{line}\n" for line in native.config_json.splitlines())
         dplan = DeployPlan(host, state.version, strategy, threshold, [], diff, argv, baseline, artifacts,
-                           list(native.warnings), patch_detail=state.detail)
+                           list(native.warnings), patch_detail=state.detail,
+                           effective_threshold=native.effective_threshold)
     dplan.noop = _already_deployed(dplan, state.release, context["info"])
     operator = context.get("operator")
     if operator:
@@ -186,7 +194,8 @@ def deploy(agent: AgentClient, dplan: DeployPlan, on_event: events.EventSink = e
     params = {
         "files": dplan.files, "sglang_version": dplan.sglang_version, "strategy": dplan.strategy,
         "threshold": dplan.threshold, "launch_argv": dplan.launch_argv, "baseline_argv": dplan.baseline_argv,
-        "artifacts": dplan.artifacts, "grace": grace, "ready_timeout": ready_timeout, "soak": soak,
+        "artifacts": dplan.artifacts, "effective_threshold": dplan.effective_threshold, "grace": grace,
+        "ready_timeout": ready_timeout, "soak": soak,
     }
     if dplan.adopt is not None:
         params["adopt"] = dplan.adopt

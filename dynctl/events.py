@@ -10,6 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from dynctl import sglang
+
 
 @dataclass(frozen=True)
 class StepStarted:
@@ -118,7 +120,8 @@ def from_start(result: dict[str, Any], elapsed: float) -> StepDone:
         return StepDone("start", elapsed, f"already running as pid {result['pid']}")
     how = f" with {result['launch']}" if result.get("launch") else ""
     log = f", log {result['log']}" if result.get("log") else ""
-    return StepDone("start", elapsed, f"pid {result['pid']}{how}: {' '.join(result.get('argv') or [])}{log}")
+    argv = " ".join(sglang.redact_argv(result.get("argv") or []))
+    return StepDone("start", elapsed, f"pid {result['pid']}{how}: {argv}{log}")
 
 
 def from_ready_item(item: dict[str, Any]) -> list[Event]:
@@ -185,8 +188,8 @@ class OperationEvents:
 
 
 def one_line(cmdline: list[str] | None, width: int = 100) -> str:
-    """A process's command line on one line, even for `-c` code."""
-    return " ".join(" ".join(cmdline or []).split())[:width]
+    """A process's command line on one line, even for `-c` code; API keys in it redacted."""
+    return " ".join(" ".join(sglang.redact_argv(cmdline or [])).split())[:width]
 
 
 def _secs(seconds: float) -> str:

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from dynctl import events, operations
+from dynctl import events, operations, sglang
 from dynctl.agent import AgentClient, AgentError
 from dynctl.config import HostConfig, own_flag_in
 from dynctl.errors import ConfigError, DynctlError, Interrupted, OperationFailed, PreflightError
@@ -237,7 +237,7 @@ def start(agent: AgentClient, host: HostConfig, ready_timeout: float = 900.0, on
         on_event(events.Unchanged("start", f"server on {host.name} is already running: {describe(state)}"))
         return {"already_running": True, "pid": state.pid, "state": state.state}
     argv, how = launch_in_force(state, host)
-    confirm(f"Start the server on {host.name} with {how}: {' '.join(argv)}?")
+    confirm(f"Start the server on {host.name} with {how}: {' '.join(sglang.redact_argv(argv))}?")
     started = start_server(agent, None, on_event=on_event, baseline_argv=server_argv(host))
     ready = wait_ready(agent, ready_timeout, on_event=on_event)
     on_event(events.Finished("start", "started", f"the server on {host.name}: pid {ready.get('pid')} ready"))
@@ -257,7 +257,7 @@ def restart(agent: AgentClient, host: HostConfig, grace: float = 60.0, ready_tim
     if pinned is not None and not (state.in_force or {}).get("argv"):
         argv, how = list(operator["cmdline"]), f"its own launch (pid {operator['pid']}, adopted as the baseline)"
     running = describe(state) if pinned is None else f"pid {operator['pid']}, not started by dynctl, taken over"
-    confirm(f"Restart the server on {host.name} ({running}) with {how}: {' '.join(argv)}?")
+    confirm(f"Restart the server on {host.name} ({running}) with {how}: {' '.join(sglang.redact_argv(argv))}?")
     return restart_server(agent, None, grace=grace, ready_timeout=ready_timeout, on_event=on_event,
                           baseline_argv=server_argv(host), adopt=pinned)
 
@@ -341,7 +341,7 @@ def start_server(agent: AgentClient, argv: Sequence[str] | None, env: dict[str, 
     params: dict[str, Any] = {"env": dict(env or {}), "release": release}
     if argv is not None:
         params["argv"] = list(argv)
-        on_event(events.StepStarted("start", " ".join(argv)))
+        on_event(events.StepStarted("start", " ".join(sglang.redact_argv(argv))))
     else:
         params["baseline_argv"] = list(baseline_argv or [])
         on_event(events.StepStarted("start", "with the launch argv of the release in force, else the configured one"))

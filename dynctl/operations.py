@@ -128,9 +128,13 @@ def outcome(kind: str, host: str, final: Record) -> events.Finished | events.Unc
     elapsed = final.get("elapsed")
     soaked = f", still serving {final['soak_s']:g} s after ready" if final.get("soak_s") else ""
     if kind == "deploy":
+        requested = final.get("threshold_requested")
+        asked = (f", {requested} requested: sglang's CUDA-graph padding moves the cut"
+                 if requested is not None and requested != final.get("threshold_in_force") else "")
         return events.Finished("deploy", "deployed",
                                f"release {final.get('release')} on {host}: threshold {final.get('threshold_in_force')} "
-                               f"in force (read back from /server_info), pid {final.get('pid')}{soaked}", elapsed)
+                               f"in force (read back from /server_info{asked}), pid {final.get('pid')}{soaked}",
+                               elapsed)
     if kind == "rollback":
         if final.get("changed") is False:
             return events.Unchanged("rollback", final.get("message") or "nothing to do")

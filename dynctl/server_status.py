@@ -29,7 +29,8 @@ def server_section(agent: AgentClient, simulated: bool = False) -> dict[str, Any
     patch = read_patch_state(agent)
     data = {
         "state": snap.state, "pid": snap.pid, "uptime_s": snap.uptime_s, "release": snap.release,
-        "operation": snap.operation, "threshold": snap.threshold, "batch_size": snap.running_reqs,
+        "operation": snap.operation, "threshold": snap.threshold,
+        "release_threshold": snap.release_threshold, "batch_size": snap.running_reqs,
         "queue": snap.queue_reqs, "speculation": snap.speculation,
         "last_switch": asdict(snap.last_switch) if snap.last_switch else None,
         "gen_throughput": snap.gen_throughput, "accept_length": snap.accept_length,

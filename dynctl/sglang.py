@@ -42,6 +42,54 @@ def threshold_in_force(info: dict):
     return found[0] if found else None
 
 
+def adaptive_pad_sizes(info: dict):
+    """The batch sizes a native (--speculative-adaptive) server pads a decode batch to before it picks a config
+    slot, from what its /server_info reports; None when it does not pad (CUDA graphs off, or no padding)."""
+    info = info or {}
+    graphs = info.get("cuda_graph_config") if isinstance(info.get("cuda_graph_config"), dict) else {}
+    decode = graphs.get("decode") if isinstance(graphs.get("decode"), dict) else {}
+    if info.get("disable_cuda_graph") or info.get("disable_cuda_graph_padding") or decode.get("backend") == "disabled":
+        return None
+    for sizes in (info.get("cuda_graph_bs_decode"), decode.get("bs"), info.get("cuda_graph_bs")):
+        if isinstance(sizes, list) and sizes and all(isinstance(b, int) and not isinstance(b, bool) for b in sizes):
+            return sorted(set(sizes))
+    return None
+
+
+def adaptive_cut(config: dict, pad=None):
+    """The threshold an adaptive config enforces: the largest T with speculation at every batch size up to T
+    and none at T+1 (AdaptiveSpeculativeParams._route: pad to a captured size, then the largest key at or below
+    it; the slot's first candidate is its starting steps). -1: speculation at every batch size; None: the
+    config does not cut speculation off at one batch size (it is not one dynctl writes)."""
+    import bisect
+
+    slots = {}
+    for key, entry in (config or {}).items():
+        steps = entry.get("candidate_steps") if isinstance(entry, dict) else None
+        if str(key).isdigit() and isinstance(steps, list) and steps:
+            slots[int(key)] = steps
+    if not slots:
+        return None
+    keys, pad = sorted(slots), sorted(pad) if pad else None
+
+    def steps_at(bs):
+        if pad is not None:
+            i = bisect.bisect_left(pad, bs)
+            bs = pad[i] if i < len(pad) else bs
+        j = bisect.bisect_right(keys, bs) - 1
+        return slots[keys[max(0, j)]]
+
+    top = max(keys[-1], pad[-1] if pad else 0) + 1
+    routed = [steps_at(bs) for bs in range(1, top + 1)]
+    if any(len(set(s)) > 1 for s in routed):
+        return None  # a slot that adapts its steps: no fixed cut
+    on = [s[0] > 0 for s in routed]
+    if all(on):
+        return -1
+    cut = on.index(False)
+    return cut if not any(on[cut:]) else None
+
+
 # /server_info keys the live view shows, and the first scheduler's internal_states it reads
 SERVER_INFO_KEYS = ("version", "model_path", "served_model_name", "tp_size", "dp_size", "enable_dp_attention",
                     "speculative_algorithm", "speculative_num_steps", "speculative_eagle_topk",
@@ -73,6 +121,80 @@ def metric_lines(text: str, names=None) -> str:
         elif line.startswith("# TYPE sglang:"):
             keep.append(line)
     return "\n".join(keep) + "\n"
+
+
+# --------------------------------------------------------------------------- API keys
+
+API_KEY_FLAG = "--api-key"
+ADMIN_API_KEY_FLAG = "--admin-api-key"
+SECRET_FLAGS = (API_KEY_FLAG, ADMIN_API_KEY_FLAG)
+REDACTED = "***"
+# AuthLevel.ADMIN_OPTIONAL endpoints (http_server.py): the admin key when the server has one, else the API key
+ADMIN_PATHS = ("/set_internal_state", "/flush_cache")
+_SECRET_IN_TEXT = re.compile(r"(--(?:admin-)?api-key)(=|\s+)(?:'[^']*'|\"[^\"]*\"|\S+)")
+# the server's own `server_args=ServerArgs(..., api_key='...')` log line, and /server_info as JSON text
+_SECRET_FIELD_IN_TEXT = re.compile(r"""(\b(?:admin_)?api_key=|"(?:admin_)?api_key":\s*)(['"])(?:(?!\2).)*\2""")
+SECRET_FIELDS = ("api_key", "admin_api_key")
+
+
+def api_keys(argv) -> dict:
+    """{"api_key", "admin_api_key"} a server argv passes (later flags win, like argparse); {} without them."""
+    keys = {}
+    args = [a for a in (argv or []) if isinstance(a, str)]
+    for i, arg in enumerate(args):
+        flag, eq, inline = arg.partition("=")
+        if flag in SECRET_FLAGS:
+            value = inline if eq else (args[i + 1] if i + 1 < len(args) else None)
+            if value:
+                keys[flag[2:].replace("-", "_")] = value
+    return keys
+
+
+def bearer_for(keys, path: str):
+    """The key to send with a request for `path` to a server started with `keys` (sglang utils/auth.py
+    decide_request_auth): none for /health* and /metrics, which are always open; the admin key (else the
+    API key) for the admin endpoints; the API key for every other one."""
+    if not keys:
+        return None
+    path = path.split("?", 1)[0]
+    if path.startswith("/health") or path.startswith("/metrics"):
+        return None
+    if path in ADMIN_PATHS:
+        return keys.get("admin_api_key") or keys.get("api_key")
+    return keys.get("api_key")
+
+
+def redact_argv(argv) -> list:
+    """argv with the values of --api-key and --admin-api-key (either spelling) replaced by ***."""
+    out, hide = [], False
+    for arg in argv or []:
+        if hide and isinstance(arg, str):
+            out.append(REDACTED)
+            hide = False
+            continue
+        hide = False
+        flag, eq, _ = arg.partition("=") if isinstance(arg, str) else ("", "", "")
+        if flag in SECRET_FLAGS:
+            out.append(flag + "=" + REDACTED if eq else arg)
+            hide = not eq
+        else:
+            out.append(arg)
+    return out
+
+
+def redact(value):
+    """A record (str, list, dict, nested) with every secret flag's value replaced by ***, for what is shown
+    or written down: journal, operation records, events, the live view."""
+    if isinstance(value, str):
+        value = _SECRET_IN_TEXT.sub(lambda m: m.group(1) + m.group(2) + REDACTED, value)
+        return _SECRET_FIELD_IN_TEXT.sub(lambda m: m.group(1) + m.group(2) + REDACTED + m.group(2), value)
+    if isinstance(value, (list, tuple)):
+        items = redact_argv(list(value)) if any(isinstance(v, str) for v in value) else list(value)
+        return [redact(v) for v in items]
+    if isinstance(value, dict):
+        return {k: REDACTED if k in SECRET_FIELDS and isinstance(v, str) and v else redact(v)
+                for k, v in value.items()}
+    return value
 
 
 # --------------------------------------------------------------------------- server defaults and rules

@@ -57,7 +57,8 @@ class HostSnapshot:
     strategy: str | None = None  # patch | native | None (unknown / not deployed)
     release: str | None = None
     operation: str | None = None  # "deploy by alice since ..." while the host lock is held
-    threshold: int | None = None
+    threshold: int | None = None  # as the server reports it (read back), never from a record
+    release_threshold: int | None = None  # what the release in force recorded: the release's, not the live one
     running_reqs: int | None = None  # the batch size
     idle: bool = False  # the scheduler says nothing runs or waits (live, from /v1/loads)
     queue_reqs: int | None = None
@@ -198,11 +199,13 @@ def build_snapshot(item: dict[str, Any], host: str, prev: HostSnapshot | None = 
 
     # The scheduler's own read-back first: the patch writes its gauge only on a decode step, so after a
     # live change on an idle server the gauge still shows the old value while /server_info has the new.
+    # Only what the server says: a hand-started or restarted server need not run the release's threshold.
     threshold = _first(_int_or_none(state_info.get(sglang.THRESHOLD_KEY)),
                        metrics.spec_threshold,
                        _int_or_none(info.get(sglang.THRESHOLD_KEY)),
-                       _int_or_none(release.get("threshold")) if up else None,
-                       prev.threshold if same_run and prev else None)
+                       _int_or_none(info.get("adaptive_threshold")),
+                       prev.threshold if same_run and prev else None) if up else None
+    release_threshold = _first(_int_or_none(release.get("effective_threshold")), _int_or_none(release.get("threshold")))
     if idle and strategy == "patch" and threshold is not None and spec_configured and not spec_warning:
         # Nothing runs, so no step decides; the gauge keeps the last decision (say, OFF after a burst that
         # was aborted at once). What matters now is what the next request gets: a batch of one.
@@ -221,6 +224,7 @@ def build_snapshot(item: dict[str, Any], host: str, prev: HostSnapshot | None = 
         release=release.get("id") or proc.get("release"),
         operation=operation,
         threshold=threshold,
+        release_threshold=release_threshold,
         running_reqs=running,
         idle=idle,
         queue_reqs=queue,

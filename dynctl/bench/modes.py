@@ -45,7 +45,7 @@ class DeployRedeployer:
         if self.start_release is None:
             self.start_release = self.agent.call("releases")["current"] or deploy.BASELINE
         done = deploy.deploy_threshold(self.agent, self.host, threshold, self.on_event or events.ignore)
-        return threshold if done.result is None else int(done.result["threshold_in_force"])
+        return done.plan.threshold_in_effect if done.result is None else int(done.result["threshold_in_force"])
 
 
 class ModeSwitcher:

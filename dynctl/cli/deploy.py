@@ -11,6 +11,7 @@ from rich.syntax import Syntax
 from rich.table import Table
 
 from dynctl import deploy as core
+from dynctl import sglang
 from dynctl.cli.common import (
     AdoptOpt,
     ConfigOpt,
@@ -71,19 +72,22 @@ def deploy(
         console.print_json(json.dumps({"changed": False, "message": plan.noop}))
     elif as_json:
         elapsed = time.monotonic() - t0
-        console.print_json(json.dumps(dict(done.result, elapsed=elapsed, round_trips=session.agent.round_trips),
-                                      default=str))
+        result = dict(done.result, elapsed=elapsed, round_trips=session.agent.round_trips)
+        console.print_json(json.dumps(sglang.redact(result), default=str))
 
 
 def _print_plan(host: str, plan: core.DeployPlan, as_json: bool) -> None:
     if as_json:
-        console.print_json(json.dumps(dict(plan.to_json(), diff=plan.diff)))
+        console.print_json(json.dumps(sglang.redact(dict(plan.to_json(), diff=plan.diff))))
         return
     console.print(f"[bold]{host}[/]: sglang {plan.sglang_version}, strategy {plan.strategy}; "
                   f"{escape(plan.patch_detail)}")
     if plan.diff:
         console.print(Syntax(plan.diff, "diff", theme="ansi_dark", word_wrap=True))
-    console.print("[bold]launch argv:[/] " + escape(sh_join(plan.launch_argv)), soft_wrap=True)
+    if plan.threshold_in_effect != plan.threshold:
+        console.print(f"[bold]threshold:[/] {plan.threshold} requested, {plan.threshold_in_effect} in effect "
+                      f"(sglang's CUDA-graph padding)")
+    console.print("[bold]launch argv:[/] " + escape(sh_join(sglang.redact_argv(plan.launch_argv))), soft_wrap=True)
     if plan.operator:
         how = ("a deploy takes it over only with --adopt or at the takeover prompt" if plan.operator.get("adoptable")
                else f"it runs as {plan.operator.get('owner')}: dynctl never takes it over")
@@ -92,6 +96,12 @@ def _print_plan(host: str, plan: core.DeployPlan, as_json: bool) -> None:
     if plan.noop:
         console.print(f"[green]{escape(plan.noop)}[/]")
     console.print("[dim]dry run: nothing was changed[/]")
+
+
+def _release_threshold(manifest: dict) -> str:
+    """The threshold a release asked for, and what the server enforces where that differs."""
+    asked, effective = manifest.get("threshold"), manifest.get("effective_threshold")
+    return str(asked) if effective is None or effective == asked else f"{asked} (in effect {effective})"
 
 
 @handle_errors
@@ -115,7 +125,7 @@ def rollback(
                            ready_timeout=ready_timeout, soak=soak, confirm=lambda question: confirm(question, yes),
                            adopt=adopt_word(adopt, yes))
     if as_json:
-        console.print_json(json.dumps(result, default=str))
+        console.print_json(json.dumps(sglang.redact(result), default=str))
 
 
 @handle_errors
@@ -128,7 +138,7 @@ def releases(
     session = open_host(host, config)
     items = core.list_releases(session.agent)
     if as_json:
-        console.print_json(json.dumps(items, default=str))
+        console.print_json(json.dumps(sglang.redact(items), default=str))
         return
     if not items:
         console.print(f"no releases on {session.host.name} yet")
@@ -140,7 +150,7 @@ def releases(
         table.add_column(name, overflow="fold")
     for m in items:
         table.add_row(m["id"], str(m.get("created", ""))[:19], m.get("who") or "", m.get("sglang_version") or "",
-                      m.get("strategy") or "", str(m.get("threshold")), str(len(m.get("files") or [])),
+                      m.get("strategy") or "", _release_threshold(m), str(len(m.get("files") or [])),
                       m.get("state") or "")
     console.print(table)
 

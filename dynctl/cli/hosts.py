@@ -9,6 +9,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
+from dynctl import sglang
 from dynctl.cli.common import ConfigOpt, HostOpt, JsonOpt, console, handle_errors, open_host
 from dynctl.config import load_config
 from dynctl.errors import DynctlError
@@ -31,7 +32,7 @@ def hosts(
     cfg = load_config(config)
     results = probe_hosts(cfg)
     if as_json:
-        console.print_json(json.dumps([r.to_dict() for r in results]))
+        console.print_json(json.dumps(sglang.redact([r.to_dict() for r in results])))
     else:
         table = Table("host", "via", "reachable", "latency", "note", box=None, pad_edge=False)
         for r in results:
@@ -64,7 +65,7 @@ def status(
         except DynctlError as err:
             report.setdefault("warnings", []).append(str(err))
     if as_json:
-        console.print_json(json.dumps(report, default=str))
+        console.print_json(json.dumps(sglang.redact(report), default=str))
         return
     render_host(info)
     if "server" in report:
@@ -97,7 +98,8 @@ def render_host(info: HostInfo) -> None:
         wd_line += f"  {free / 2**30:.1f} GiB free"
     table.add_row("workdir", wd_line)
     table.add_row("nvidia-smi", info.nvidia_smi or "[dim]absent[/]")
-    listeners = ", ".join(f"pid {p['pid']} ({' '.join(p.get('cmdline') or [])[:60]})" for p in info.port_listeners)
+    listeners = ", ".join(f"pid {p['pid']} ({' '.join(sglang.redact_argv(p.get('cmdline') or []))[:60]})"
+                          for p in info.port_listeners)
     table.add_row("port", f"{info.port}  " + (listeners or "[dim]nothing listening[/]"))
     console.print(table)
 
@@ -127,7 +129,12 @@ def render_server(patch: dict[str, Any], server: dict[str, Any]) -> None:
                           f"{', '.join(map(str, server['leftovers']))}[/]  [dim](`dynctl stop` sweeps them)[/]")
     if server.get("not_ours"):
         table.add_row("", f"[yellow]not ours:[/] {escape(server['not_ours'])}  [dim](dynctl leaves it alone)[/]")
-    table.add_row("threshold", _fmt(server.get("threshold")))
+    live = server.get("threshold")
+    threshold = (_fmt(live) if live is not None else
+                 "[dim]unknown[/]" if server.get("state") == "down" else "[dim]none reported by /server_info[/]")
+    if server.get("release_threshold") is not None and server.get("release_threshold") != live:
+        threshold += f"  [dim](release {server.get('release')} recorded {server['release_threshold']})[/]"
+    table.add_row("threshold", threshold)
     table.add_row("batch size", f"{_fmt(server.get('batch_size'))} running, {_fmt(server.get('queue'))} queued")
     spec = server.get("speculation")
     spec_text = "[dim]unknown[/]" if spec is None else ("[green]ON[/]" if spec else "[yellow]OFF[/]")

@@ -7,7 +7,7 @@ from typing import Any
 
 import typer
 
-from dynctl import lifecycle
+from dynctl import lifecycle, sglang
 from dynctl.cli.common import (
     AdoptOpt,
     ConfigOpt,
@@ -38,7 +38,7 @@ def register(app: typer.Typer) -> None:
 
 
 def _print_json(obj: Any) -> None:
-    console.print_json(json.dumps(obj, default=str))
+    console.print_json(json.dumps(sglang.redact(obj), default=str))
 
 
 @handle_errors

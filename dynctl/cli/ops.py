@@ -10,7 +10,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from dynctl import operations
+from dynctl import operations, sglang
 from dynctl.cli.common import ConfigOpt, HostOpt, JsonOpt, VerboseOpt, console, handle_errors, open_host
 from dynctl.cli.progress import EventPrinter
 from dynctl.errors import Interrupted
@@ -46,7 +46,7 @@ def follow(
         raise Interrupted(f"{session.host.name}: stopped following; the {seen.get('kind') or 'operation'} "
                           f"{seen.get('op_id') or op} goes on there regardless") from None
     if as_json:
-        console.print_json(json.dumps(result, default=str))
+        console.print_json(json.dumps(sglang.redact(result), default=str))
 
 
 @app.command("list")
@@ -61,7 +61,7 @@ def list_ops(
     session = open_host(host, config)
     ops = session.agent.call("op_list", limit=limit)["ops"]
     if as_json:
-        console.print_json(json.dumps(ops, default=str))
+        console.print_json(json.dumps(sglang.redact(ops), default=str))
         return
     if not ops:
         console.print(f"no operations on {escape(session.host.name)} yet")

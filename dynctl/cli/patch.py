@@ -9,6 +9,7 @@ from typing import Any
 import typer
 from rich.markup import escape
 
+from dynctl import sglang
 from dynctl.cli.common import ConfigOpt, HostOpt, JsonOpt, YesOpt, confirm, console, handle_errors, open_host
 from dynctl.patching import parse_threshold
 from dynctl.patching.host import PatchState, apply_plan, plan_for_apply, read_patch_state, revert
@@ -20,7 +21,7 @@ _STATUS_STYLE = {"applied": "green", "not applied": "yellow", "native": "cyan",
 
 
 def _print_json(obj: Any) -> None:
-    console.print_json(json.dumps(obj, default=str))
+    console.print_json(json.dumps(sglang.redact(obj), default=str))
 
 
 def _show_state(name: str, state: PatchState) -> None:

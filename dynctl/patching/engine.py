@@ -7,6 +7,7 @@ import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from dynctl import sglang
 from dynctl.errors import PreflightError
 from dynctl.patching.recipe import (
     FEATURE_TOKENS,
@@ -63,12 +64,15 @@ class Plan:
     status: str  # "ready": changes to apply; "applied": already applied, intact
     changes: tuple[FileChange, ...]
     strategy: str = "patch"
+    leftover: str | None = None  # dynctl's own module found in an otherwise pristine tree (replaced, backed up)
 
     @property
     def message(self) -> str:
         if self.status == "applied":
             return f"already applied, intact (sglang {self.version})"
-        return f"{len(self.changes)} files to change (sglang {self.version}, variant {self.variant})"
+        found = (f"; {self.leftover} is dynctl's module left by a reinstall: it is backed up into the release "
+                 f"and replaced" if self.leftover else "")
+        return f"{len(self.changes)} files to change (sglang {self.version}, variant {self.variant}){found}"
 
     def diff(self) -> str:
         return "".join(change.diff() for change in self.changes)
@@ -199,9 +203,20 @@ def plan_patch(
         states[recipe.path] = state
 
     module = originals.get(NEW_MODULE)
+    leftover = None
+    files_pristine = bool(states) and set(states.values()) == {"pristine"}
     if module is None:
         states[NEW_MODULE] = "pristine"
         new_texts[NEW_MODULE] = new_module_text()
+    elif files_pristine and is_own_module(module):
+        # `pip install --force-reinstall` restores the files the patch edited but keeps the one it added
+        states[NEW_MODULE] = "pristine"
+        new_texts[NEW_MODULE] = new_module_text()
+        leftover = NEW_MODULE
+    elif files_pristine:
+        raise PatchRefused(f"{NEW_MODULE} is in the sglang package, but the release does not ship it and it is not "
+                           f"the module dynctl adds: move it away (it is not dynctl's to replace) and plan again",
+                           file=NEW_MODULE)
     elif module == new_module_text():
         states[NEW_MODULE] = "applied"
     else:
@@ -226,4 +241,12 @@ def plan_patch(
     changes = tuple(
         FileChange(path, originals.get(path), new_texts[path]) for path in target_files()
     )
-    return Plan(version, variant, "ready", changes)
+    return Plan(version, variant, "ready", changes, leftover=leftover)
+
+
+def is_own_module(text: str) -> bool:
+    """The module the patch adds, as this dynctl ships it or as an earlier one did (its docstring's header)."""
+    if text == new_module_text():
+        return True
+    header = new_module_text().split("\n", 1)[0]
+    return text.split("\n", 1)[0] == header and sglang.THRESHOLD_FLAG in text

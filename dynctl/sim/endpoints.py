@@ -5,6 +5,7 @@ status codes and JSON shapes, on top of the simulated TokenizerManager.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import time
 import uuid
@@ -14,6 +15,9 @@ from typing import Any, AsyncIterator
 from dynctl.sim.httpserver import HttpRequest, Response, Router, StreamResponse
 from dynctl.sim.metrics import CONTENT_TYPE, ServerMetrics
 from dynctl.sim.tokenizer import ServerStatus, TokenizerManager
+
+# AuthLevel.ADMIN_OPTIONAL endpoints (http_server.py) among those served here
+ADMIN_OPTIONAL_PATHS = ("/set_internal_state", "/flush_cache")
 
 DEFAULT_MODEL_NAME = "default"  # entrypoints/openai/protocol.py CompletionRequest.model
 
@@ -63,8 +67,25 @@ class Api:
     slow_health: float
     health_timeout: float = 20.0  # SGLANG_HEALTH_CHECK_TIMEOUT
 
+    def authorize(self, request: HttpRequest) -> Response | None:
+        """sglang's API-key middleware (utils/auth.py decide_request_auth, 0.5.8+; before that one key for all):
+        /health* and /metrics always open; the admin endpoints want the admin key when there is one, else the
+        API key; every other endpoint wants the API key when there is one."""
+        args = self.tokenizer.server_args
+        api_key, admin_key = args.get("api_key"), args.get("admin_api_key")
+        path = request.path
+        if request.method == "OPTIONS" or path.startswith("/health") or path.startswith("/metrics"):
+            return None
+        wanted = (admin_key or api_key) if path in ADMIN_OPTIONAL_PATHS and "admin_api_key" in args else api_key
+        if not wanted:
+            return None
+        scheme, _, token = (request.headers.get("authorization") or "").partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(token.encode(), wanted.encode()):
+            return None
+        return _json({"error": "Unauthorized"}, 401)
+
     def router(self) -> Router:
-        r = Router()
+        r = Router(self.authorize)
         r.add(("GET",), "/health", self.health)
         r.add(("GET",), "/health_generate", self.health)
         r.add(("GET",), "/model_info", self.model_info)

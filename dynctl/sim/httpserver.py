@@ -53,14 +53,18 @@ Handler = Callable[[HttpRequest], Awaitable["Response | StreamResponse"]]
 
 
 class Router:
-    def __init__(self) -> None:
+    def __init__(self, auth: Callable[[HttpRequest], Response | None] | None = None) -> None:
         self.routes: dict[str, dict[str, Handler]] = {}
+        self.auth = auth  # the API-key middleware: a refusal, or None to go on
 
     def add(self, methods: tuple[str, ...], path: str, handler: Handler) -> None:
         for method in methods:
             self.routes.setdefault(path, {})[method] = handler
 
     async def dispatch(self, request: HttpRequest) -> Response | StreamResponse:
+        refused = self.auth(request) if self.auth is not None else None  # a middleware: before the routes
+        if refused is not None:
+            return refused
         by_method = self.routes.get(request.path)
         if by_method is None:
             return Response(404, b'{"detail":"Not Found"}')

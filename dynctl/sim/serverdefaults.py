@@ -89,7 +89,23 @@ def finalize(args: dict[str, Any], version: str, gpu_total_mib: int,
             warnings.append("speculative_num_draft_tokens is adjusted to speculative_num_steps + 1 when "
                             "speculative_eagle_topk == 1")
             args["speculative_num_draft_tokens"] = args["speculative_num_steps"] + 1
+    if "cuda_graph_config" in args and args.get("cuda_graph_config") is None:
+        args["cuda_graph_config"] = _cuda_graph_config(args)
     return warnings
+
+
+def _cuda_graph_config(args: dict[str, Any]) -> dict[str, Any]:
+    """ServerArgs.cuda_graph_config as /server_info shows it (0.5.14 _handle_cuda_graph_config: the decode
+    batch sizes are generated whether or not the decode graphs are then captured)."""
+    from dynctl.sim.speculation import captured_batch_sizes
+
+    decode_bs = args.get("cuda_graph_bs_decode") or captured_batch_sizes(
+        {**args, "max_running_requests": None, "disable_cuda_graph": False})
+    off = args.get("disable_cuda_graph") or args.get("disable_decode_cuda_graph")
+    return {"decode": {"backend": "disabled" if off else "full", "max_bs": max(decode_bs) if decode_bs else None,
+                       "bs": list(decode_bs), "tc_compiler": "eager"},
+            "prefill": {"backend": "disabled", "max_bs": args.get("chunked_prefill_size"), "bs": None,
+                        "tc_compiler": "eager"}}
 
 
 @dataclass(frozen=True)

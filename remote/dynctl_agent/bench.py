@@ -63,9 +63,10 @@ def bench_probe(ctx, host="127.0.0.1", port=None, timeout=10.0, checks=True, **_
     (unless checks is false) which slowing debug checks it runs with."""
     port = int(port or ctx.port)
     where = "%s:%d" % (host, port)
+    keys = servers.api_keys(ctx) if port == ctx.port else None
     try:
-        models = httpclient.get_json(host, port, "/v1/models", timeout)
-        info = httpclient.server_info(host, port, timeout)
+        models = httpclient.get_json(host, port, "/v1/models", timeout, keys=keys)
+        info = httpclient.server_info(host, port, timeout, keys=keys)
     except httpclient.FAILURES as err:
         return {"reachable": False, "where": where, "error": httpclient.short(err)}
     data = models.get("data") or [{}]
@@ -115,7 +116,8 @@ def bench_level(ctx, concurrency, input_len, output_len, duration=None, num_prom
     if not probe["reachable"]:
         raise AgentError("server at %s not answering: %s" % (probe["where"], probe["error"]), "unreachable")
     level_args = (host, port, model or probe["model"], concurrency, input_len, output_len, duration, num_prompts,
-                  warmup, seed, sample_s, idle_timeout, max_level_s, probe["token_ids"])
+                  warmup, seed, sample_s, idle_timeout, max_level_s, probe["token_ids"],
+                  sglang.bearer_for(servers.api_keys(ctx) if port == ctx.port else None, "/generate"))
     loop = asyncio.new_event_loop()
     try:
         level = loop.run_until_complete(_make_level(level_args))

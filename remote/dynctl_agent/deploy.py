@@ -66,7 +66,9 @@ def _gate(ctx, oplog, argv, release, ready_timeout, launch=None):
     raise AgentError("the readiness check ended without a verdict", "failed")
 
 
-def _verify(ctx, oplog, strategy, threshold):
+def _verify(ctx, oplog, strategy, threshold, effective=None):
+    """The threshold the new server enforces, as it reports it; `effective` is what the plan expects a native
+    server to enforce (the requested threshold after sglang's CUDA-graph padding)."""
     with oplog.step("verify", "reading the threshold back from /server_info"):
         info = serverinfo.server_info(ctx)
         if info is None:
@@ -76,10 +78,18 @@ def _verify(ctx, oplog, strategy, threshold):
             if threshold is not None and threshold < 0:  # never disable: speculation as configured, no config
                 if adaptive:
                     raise AgentError("threshold -1 must run without --speculative-adaptive, but it is on", "failed")
-                return {"threshold_in_force": threshold}
+                return {"threshold_in_force": threshold, "threshold_requested": threshold}
             if not adaptive:
                 raise AgentError("the server runs without --speculative-adaptive", "failed")
-            return {"threshold_in_force": threshold, "adaptive_config": info.get("speculative_adaptive_config")}
+            cut, problem = serverinfo.adaptive_threshold(info)
+            if problem is not None:
+                raise AgentError("the server's threshold cannot be read back: %s" % problem, "failed")
+            expected = threshold if effective is None else effective
+            if cut != expected:
+                raise AgentError("the server's adaptive config disables speculation above %r, expected %r"
+                                 % (cut, expected), "failed")
+            return {"threshold_in_force": cut, "threshold_requested": threshold,
+                    "adaptive_config": info.get("speculative_adaptive_config")}
         value = serverinfo.threshold_in_force(info)
         if value != threshold:
             raise AgentError("the server reports threshold %r, expected %r" % (value, threshold), "failed")
@@ -186,10 +196,12 @@ def _stop(ctx, grace, taking):
 
 
 def op_deploy(ctx, oplog, files, sglang_version, strategy, threshold, launch_argv, baseline_argv,
-              artifacts=None, grace=60, ready_timeout=900, soak=DEFAULT_SOAK_S, adopt=None, **_):
+              artifacts=None, grace=60, ready_timeout=900, soak=DEFAULT_SOAK_S, effective_threshold=None, adopt=None,
+              **_):
     grace, ready_timeout, soak = seconds("grace", grace), seconds("ready_timeout", ready_timeout), seconds("soak", soak)
     loc = servers.locate(ctx)
     taking = servers.preflight(ctx, loc, "deploy", adopt)
+    releases.require_records(ctx)
     _recover(ctx, oplog)
     previous, previous_argv = _previous_argv(ctx, baseline_argv)
     previous_launch = None
@@ -198,7 +210,8 @@ def op_deploy(ctx, oplog, files, sglang_version, strategy, threshold, launch_arg
     running = loc["server"] or taking
     with oplog.step("switch", "validate with %s, back up, swap %d file(s)" % (ctx.python, len(files))):
         applied = patch.apply_release(ctx, files, sglang_version, strategy=strategy, threshold=threshold,
-                                launch_argv=launch_argv, artifacts=artifacts)
+                                      launch_argv=launch_argv, artifacts=artifacts,
+                                      effective_threshold=effective_threshold)
     release = applied["release"]
     try:
         argv = applied["manifest"]["launch_argv"]
@@ -211,7 +224,7 @@ def op_deploy(ctx, oplog, files, sglang_version, strategy, threshold, launch_arg
             stopped = _stop(ctx, grace, taking)
             oplog.emit("info", text=shutdown.summary(stopped))
         ready = _gate(ctx, oplog, argv, release, ready_timeout)
-        verified = _verify(ctx, oplog, strategy, threshold)
+        verified = _verify(ctx, oplog, strategy, threshold, effective_threshold)
         verified.update(_soak(ctx, oplog, soak))
     except Exception as err:  # not only a refusal: whatever failed after the switch, the switch is undone
         reason = failure_text(err)
@@ -304,6 +317,7 @@ def _roll_back_after_failure(ctx, oplog, release, previous_argv, old, grace, rea
 def op_rollback(ctx, oplog, baseline_argv, to=None, grace=60, ready_timeout=900, soak=DEFAULT_SOAK_S, adopt=None,
                 **_):
     grace, ready_timeout, soak = seconds("grace", grace), seconds("ready_timeout", ready_timeout), seconds("soak", soak)
+    releases.require_records(ctx)
     chosen = _rollback_target(ctx, to, releases.manifests(ctx))
     loc = servers.locate(ctx)
     taking = servers.preflight(ctx, loc, "rollback", adopt)
@@ -329,6 +343,9 @@ def op_rollback(ctx, oplog, baseline_argv, to=None, grace=60, ready_timeout=900,
     if not newer and healthy and servers.argv_matches(loc["server"]["argv"], argv):
         with contextlib.suppress(OSError):
             _set_state(ctx, last="rollback", target=target)
+        if recovered:  # the files did change: the interrupted release is undone; the server kept serving
+            return {"target": target, "changed": True, "reverted": recovered, "argv": argv,
+                    "pid": loc["server"].get("pid"), "soak_s": 0.0}
         return {"target": target, "changed": False, "message": "already on %s and serving" % target}
     done = []
     try:
@@ -361,7 +378,7 @@ def op_rollback(ctx, oplog, baseline_argv, to=None, grace=60, ready_timeout=900,
                          reason=extra.get("reason"))
     with contextlib.suppress(OSError):  # the record of the last operation, not the transaction
         _set_state(ctx, last="rollback", target=target)
-    return {"target": target, "changed": True, "reverted": [m["id"] for m in newer], "argv": argv,
+    return {"target": target, "changed": True, "reverted": recovered + [m["id"] for m in newer], "argv": argv,
             "pid": ready.get("pid"), "soak_s": soaked.get("soak_s")}
 
 

@@ -26,11 +26,17 @@ class HTTPError(OSError):
 FAILURES = (OSError, http.client.HTTPException, ValueError)
 
 
-def request(host, port, method, path, body=None, timeout=5.0, cap=None):
-    """(status, body bytes, at most cap of them); raises one of FAILURES when nothing sensible came back."""
+def request(host, port, method, path, body=None, timeout=5.0, cap=None, keys=None):
+    """(status, body bytes, at most cap of them); raises one of FAILURES when nothing sensible came back.
+
+    keys: sglang.api_keys() of the server's argv; the one `path` needs goes along as a bearer token.
+    """
     conn = http.client.HTTPConnection(host, port, timeout=timeout)
     try:
         headers = {"Content-Type": "application/json"} if body is not None else {}
+        token = sglang.bearer_for(keys, path)
+        if token:
+            headers["Authorization"] = "Bearer " + token
         conn.request(method, path, body=json.dumps(body).encode() if body is not None else None, headers=headers)
         resp = conn.getresponse()
         return resp.status, resp.read() if cap is None else resp.read(cap)
@@ -38,34 +44,34 @@ def request(host, port, method, path, body=None, timeout=5.0, cap=None):
         conn.close()
 
 
-def get(host, port, path, timeout, cap=None):
+def get(host, port, path, timeout, cap=None, keys=None):
     """The body of a GET that answered 200; HTTPError otherwise."""
-    status, data = request(host, port, "GET", path, timeout=timeout, cap=cap)
+    status, data = request(host, port, "GET", path, timeout=timeout, cap=cap, keys=keys)
     if status != 200:
         raise HTTPError(status, path)
     return data
 
 
-def get_json(host, port, path, timeout, cap=None):
-    return json.loads(get(host, port, path, timeout, cap).decode("utf-8", "replace"))
+def get_json(host, port, path, timeout, cap=None, keys=None):
+    return json.loads(get(host, port, path, timeout, cap, keys).decode("utf-8", "replace"))
 
 
-def post_json(host, port, path, body, timeout):
-    status, data = request(host, port, "POST", path, body=body, timeout=timeout)
+def post_json(host, port, path, body, timeout, keys=None):
+    status, data = request(host, port, "POST", path, body=body, timeout=timeout, keys=keys)
     if status != 200:
         raise HTTPError(status, path)
     return data
 
 
-def server_info(host, port, timeout, cap=None):
+def server_info(host, port, timeout, cap=None, keys=None):
     """/server_info as a dict, from whichever of its names the server answers to."""
     first, older = sglang.SERVER_INFO_PATHS
     try:
-        return get_json(host, port, first, timeout, cap)
+        return get_json(host, port, first, timeout, cap, keys)
     except HTTPError as err:
         if err.status != 404:
             raise
-        return get_json(host, port, older, timeout, cap)
+        return get_json(host, port, older, timeout, cap, keys)
 
 
 def is_refused(err):
@@ -76,7 +82,9 @@ def is_refused(err):
 def describe(err, timeout=None):
     """What went wrong with one request, in words ("answered HTTP 500 ...", "got no answer within 10 s")."""
     if isinstance(err, HTTPError):
-        return "answered HTTP %d %s" % (err.status, err.reason)
+        hint = " (the server wants an API key: dynctl sends the --api-key / --admin-api-key of its launch argv)" \
+            if err.status in (401, 403) else ""
+        return "answered HTTP %d %s%s" % (err.status, err.reason, hint)
     if isinstance(err, (socket.timeout, TimeoutError)):  # distinct classes before Python 3.10
         return "got no answer within %g s" % timeout if timeout is not None else "timed out"
     if isinstance(err, OSError) and err.strerror:

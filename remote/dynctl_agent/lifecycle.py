@@ -44,6 +44,7 @@ def _resolve_launch(ctx, argv, release, baseline_argv, adopting=None):
     adopted server's launch (`adopting`: one being adopted now), else the configured one."""
     if argv is not None:
         return argv, release, "the given launch argv", None
+    releases.require_records(ctx)  # an unreadable record must not turn into "start the configured argv"
     in_force = releases.launch_in_force(ctx)
     if in_force is not None and in_force["argv"]:
         return in_force["argv"], in_force["release"], "the launch argv of release %s" % in_force["release"], None

@@ -63,8 +63,9 @@ class Level:
     """One closed-loop level: C workers, warm-up, then a window of a duration or a request count."""
 
     def __init__(self, host, port, model, concurrency, input_len, output_len, duration, num_prompts,
-                 warmup, seed, sample_s, idle_timeout, max_level_s, token_ids=False):
+                 warmup, seed, sample_s, idle_timeout, max_level_s, token_ids=False, bearer=None):
         self.host, self.port, self.model = host, port, model
+        self.auth = "Authorization: Bearer %s\r\n" % bearer if bearer else ""
         self.token_ids = token_ids
         self.concurrency = concurrency
         self.input_len, self.output_len = input_len, output_len
@@ -161,8 +162,9 @@ class Level:
         reader, writer = conn
         body = self._body()
         path = "/generate" if self.token_ids else "/v1/completions"
-        head = ("POST %s HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json\r\n"
-                "Accept: text/event-stream\r\nContent-Length: %d\r\n\r\n" % (path, self.host, self.port, len(body)))
+        head = ("POST %s HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json\r\n%s"
+                "Accept: text/event-stream\r\nContent-Length: %d\r\n\r\n"
+                % (path, self.host, self.port, self.auth, len(body)))
         start = time.perf_counter()
         record["s"] = round(start - self.t0, 6)
         self.busy[wid] = [writer, start, None]  # writer, last activity, why the watchdog cut it

@@ -33,6 +33,7 @@ import re
 import shutil
 import time
 
+from dynctl import sglang
 from dynctl_agent import procfs, store
 from dynctl_agent.protocol import AgentError
 
@@ -50,10 +51,11 @@ RECORD_EXTS = (".json", ".jsonl", ".log", ".final", ".reserve")
 
 
 def append(path, record):
-    """Append one JSON line, whole or not at all (never a torn line); returns the size of the file after it."""
+    """Append one JSON line (API keys in it redacted), whole or not at all (never a torn line); returns the size
+    of the file after it."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
-        return store.append_whole(fd, (json.dumps(record, default=str) + "\n").encode())
+        return store.append_whole(fd, (json.dumps(sglang.redact(record), default=str) + "\n").encode())
     finally:
         os.close(fd)
 

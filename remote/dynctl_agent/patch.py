@@ -45,7 +45,7 @@ def patch_read(ctx, files=(), **_):
 
 
 def apply_release(ctx, files, sglang_version, strategy="patch", threshold=None, launch_argv=None,
-                  artifacts=None, import_check_timeout=300.0):
+                  artifacts=None, import_check_timeout=300.0, effective_threshold=None):
     """Swap in new file texts as one transaction and record a release (caller holds the host lock).
 
     files: [{path, sha256_before, sha256_after, text}] (paths relative to the sglang package).
@@ -61,6 +61,7 @@ def apply_release(ctx, files, sglang_version, strategy="patch", threshold=None, 
                          % (found["sglang"]["version"], sglang_version), "preflight")
     ctx.ensure_workdir()
     os.makedirs(releases.root(ctx), mode=0o700, exist_ok=True)
+    releases.require_records(ctx)
     incomplete = [m["id"] for m in releases.manifests(ctx) if m.get("state") == "applying"]
     if incomplete:
         raise AgentError(releases.interrupted_message(incomplete[0]), "preflight")
@@ -142,6 +143,8 @@ def apply_release(ctx, files, sglang_version, strategy="patch", threshold=None, 
         "id": release_id, "seq": seq, "created": store.now_iso(), "who": ctx.who, "client": ctx.client.get("hostname"),
         "sglang_version": sglang_version, "package_dir": package_dir, "python": ctx.python, "strategy": strategy,
         "threshold": threshold,
+        # what the server enforces when that differs from the threshold asked for (native: CUDA-graph padding)
+        "effective_threshold": threshold if effective_threshold is None else effective_threshold,
         "launch_argv": None if launch_argv is None else [str(a).replace("{release_dir}", release_dir)
                                                           for a in launch_argv],
         "files": [{"path": e["path"], "sha256_before": e["sha256_before"], "sha256_after": e["sha256_after"],
@@ -335,6 +338,7 @@ def patch_apply(ctx, files, sglang_version, strategy="patch", threshold=None, la
 def patch_revert(ctx, release=None, all=False, **_):
     """Revert the release in force (or `release`); all=True reverts every applied release, newest first."""
     with lock.host_lock(ctx, "patch revert"), lock.hangup_shield():
+        releases.require_records(ctx)
         if not all:
             return {"reverted": [revert_release(ctx, release)], "current": releases.current(ctx)}
         done = []

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import json
 import os
 import re
 import shutil
@@ -64,6 +65,57 @@ def manifests(ctx):
             if manifest:
                 found.append(manifest)
     return sorted(found, key=lambda m: m.get("seq", 0), reverse=True)
+
+
+def _manifest_problem(folder, name):
+    """Why releases/<name>/manifest.json cannot serve as that release's record (None: it can; "missing": absent)."""
+    path = os.path.join(folder, name, "manifest.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        return "missing"
+    except (OSError, ValueError) as err:
+        return "unreadable (%s)" % (getattr(err, "strerror", None) or err)
+    if not isinstance(data, dict) or data.get("id") != name or not isinstance(data.get("files"), list):
+        return "not a release record of %s" % name
+    return None
+
+
+def require_records(ctx):
+    """Refuse (pre-flight) when a release's record is missing or unreadable: the release may have changed files,
+    so going on would skip its revert or stack a new release on it.
+
+    A directory without manifest.json that is newer than every release and not named by `current` is what
+    an apply killed before its manifest leaves (the manifest is written before the first swap): no file was
+    swapped, and prune() removes it.
+    """
+    folder = root(ctx)
+    try:
+        names = sorted(n for n in os.listdir(folder) if ID.match(n)) if os.path.isdir(folder) else []
+    except OSError as err:
+        raise AgentError("cannot list the releases in %s: %s; nothing was changed" % (folder, err.strerror or err),
+                         "preflight")
+    problems = {n: _manifest_problem(folder, n) for n in names}
+    readable = [int(ID.match(n).group(1)) for n, p in problems.items() if p is None]
+    named = current(ctx)
+    if named is not None and named not in problems:
+        problems[named] = "missing (no directory %s)" % os.path.join(folder, named)
+    for name, problem in sorted(problems.items()):
+        if problem is None:
+            continue
+        if problem == "missing" and name != named and int(ID.match(name).group(1)) > max(readable, default=0):
+            continue
+        why = "named by %s as the release in force" % ctx.path("current") if name == named else "a release"
+        raise AgentError(
+            "the record of release %s (%s) is %s: %s; it may have changed files in the sglang tree, so nothing "
+            "can be reverted or deployed on top of it. Recover by hand: the original files it replaced are in "
+            "%s (paths relative to the sglang package); put them back (or reinstall sglang), then move %s out "
+            "of %s%s; nothing was changed"
+            % (name, why, problem, os.path.join(folder, name, "manifest.json"), os.path.join(folder, name, "orig"),
+               os.path.join(folder, name), folder,
+               " and remove %s" % ctx.path("current") if name == named else ""),
+            "preflight", release=name)
 
 
 def prune(ctx):

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
+
 from dynctl import sglang
-from dynctl_agent import httpclient, releases, servers, store
+from dynctl_agent import httpclient, lock, releases, servers, store
 from dynctl_agent.protocol import AgentError
 
 STATE_FILE = "state.json"
@@ -12,7 +14,7 @@ STATE_FILE = "state.json"
 def server_info(ctx, timeout=5.0):
     """/server_info of the managed server on this host, as a dict (or None when it does not answer)."""
     try:
-        info = httpclient.server_info("127.0.0.1", ctx.port, timeout)
+        info = httpclient.server_info("127.0.0.1", ctx.port, timeout, keys=servers.api_keys(ctx))
     except httpclient.FAILURES:
         return None
     return info if isinstance(info, dict) else None
@@ -23,16 +25,46 @@ def threshold_in_force(info):
     return sglang.threshold_in_force(info or {})
 
 
+def adaptive_threshold(info):
+    """(threshold, problem) a native server enforces, derived from what its /server_info reports: the adaptive
+    config file it names and the batch sizes it pads to. (None, why) when that cannot be told; -1 when its
+    config speculates at every batch size; (None, None) when the server runs without --speculative-adaptive."""
+    info = info or {}
+    if not info.get("speculative_adaptive"):
+        return None, None
+    path = info.get("speculative_adaptive_config")
+    if not path:
+        return None, "it runs with --speculative-adaptive but reports no --speculative-adaptive-config"
+    try:
+        with open(str(path), encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError) as err:
+        return None, "its adaptive config %s cannot be read: %s" % (path, getattr(err, "strerror", None) or err)
+    cut = sglang.adaptive_cut(config if isinstance(config, dict) else {}, sglang.adaptive_pad_sizes(info))
+    if cut is None:
+        return None, "its adaptive config %s does not switch speculation off at one batch size" % path
+    return cut, None
+
+
 def server_info_verb(ctx, **_):
     return {"info": server_info(ctx), "state": store.read_json(ctx.path(STATE_FILE)) or {},
             "current": releases.current(ctx)}
 
 
 def set_threshold(ctx, threshold, host="127.0.0.1", port=None, timeout=10.0, **_):
-    """Set the speculation threshold live, then read back what every scheduler has in force."""
-    port = int(port or ctx.port)
+    """Set the speculation threshold live, then read back what every scheduler has in force.
+
+    Under the host lock: a change during another operation (a deploy's soak, say) would make that
+    operation report a threshold that is no longer the one in force.
+    """
     if not isinstance(threshold, int) or isinstance(threshold, bool) or threshold < -1:
         raise AgentError("threshold must be an integer >= -1, got %r" % (threshold,), "usage")
+    with lock.host_lock(ctx, "threshold %d" % threshold):
+        return _set_threshold(ctx, threshold, host, port, timeout)
+
+
+def _set_threshold(ctx, threshold, host, port, timeout):
+    port = int(port or ctx.port)
     if port == ctx.port:  # never send a change to a listener that is not our server
         loc = servers.locate(ctx)
         found = servers.not_ours(ctx, loc) if loc["server"] is None else None
@@ -40,8 +72,10 @@ def set_threshold(ctx, threshold, host="127.0.0.1", port=None, timeout=10.0, **_
             raise AgentError("%s; the threshold was not sent (%s)" % (found["text"], found["hint"]), "preflight",
                              not_ours=found["text"])
     where = "%s:%d" % (host, port)
+    keys = servers.api_keys(ctx) if port == ctx.port else None
     try:
-        httpclient.post_json(host, port, sglang.SET_INTERNAL_STATE, sglang.set_threshold_body(threshold), timeout)
+        httpclient.post_json(host, port, sglang.SET_INTERNAL_STATE, sglang.set_threshold_body(threshold), timeout,
+                             keys=keys)
     except httpclient.FAILURES as err:
         if httpclient.is_refused(err):
             # Nothing was sent, so nothing changed ("down": exit 3), unlike a request that failed half-way.
@@ -51,7 +85,7 @@ def set_threshold(ctx, threshold, host="127.0.0.1", port=None, timeout=10.0, **_
         raise AgentError("server at %s: cannot change the threshold: %s %s"
                          % (where, sglang.SET_INTERNAL_STATE, httpclient.describe(err, timeout)), "failed") from None
     try:
-        info = httpclient.server_info(host, port, timeout)
+        info = httpclient.server_info(host, port, timeout, keys=keys)
     except httpclient.FAILURES as err:
         raise AgentError("server at %s took the threshold change, but reading it back failed: /server_info %s"
                          % (where, httpclient.describe(err, timeout)), "failed") from None

@@ -108,6 +108,11 @@ def read_pidfile(ctx):
     return store.read_json(ctx.path(PIDFILE)) if os.path.isdir(ctx.workdir) else None
 
 
+def api_keys(ctx):
+    """The API keys our server was started with (its recorded argv), for the requests that need them."""
+    return sglang.api_keys((read_pidfile(ctx) or {}).get("argv"))
+
+
 def write_pidfile(ctx, record):
     ctx.ensure_workdir()
     store.write_json_atomic(ctx.path(PIDFILE), record)
@@ -181,7 +186,8 @@ def locate(ctx):
         elif st is None or st["state"] in ("Z", "X"):
             note = "stale: pid %d is gone" % pid
         elif st["start"] != rec.get("pid_start") or not _is_recorded(pid, rec):
-            note = "stale: pid %d now belongs to another process (%s)" % (pid, " ".join(procfs.cmdline(pid))[:120])
+            note = "stale: pid %d now belongs to another process (%s)" % (
+                pid, " ".join(sglang.redact_argv(procfs.cmdline(pid)))[:120])
         elif not procfs.owned_by_us(pid):
             note = "stale: pid %d runs as %s, not as %s" % (pid, _owner(pid), getpass.getuser())
         else:
@@ -237,6 +243,7 @@ def argv_diff(running, wanted):
     import difflib
 
     parts = []
+    running, wanted = sglang.redact_argv(running), sglang.redact_argv(wanted)
     for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, running, wanted, autojunk=False).get_opcodes():
         if tag in ("replace", "delete"):
             parts.append("-`%s`" % " ".join(running[i1:i2]))
@@ -248,7 +255,8 @@ def argv_diff(running, wanted):
 def operator_text(ctx, op):
     return ("port %d is served by pid %d (%s), which was not started by dynctl (the operator's server; argv "
             "against what dynctl would run: %s)"
-            % (ctx.port, op["pid"], " ".join(op["argv"])[:300], argv_diff(op["argv"], would_run(ctx))[:300]))
+            % (ctx.port, op["pid"], " ".join(sglang.redact_argv(op["argv"]))[:300],
+               argv_diff(op["argv"], would_run(ctx))[:300]))
 
 
 def operator_hint(op):
@@ -275,14 +283,14 @@ def not_ours(ctx, loc, taking=None):
         cmd = procfs.cmdline(pid)
         return {"kind": "unmanaged", "pid": pid, "start": start, "cmdline": cmd,
                 "text": "pid %d (%s) looks like an sglang server for port %d, but dynctl did not start it and it "
-                        "is not listening on the port" % (pid, " ".join(cmd)[:200], ctx.port),
+                        "is not listening on the port" % (pid, " ".join(sglang.redact_argv(cmd))[:200], ctx.port),
                 "hint": "stop it yourself, or run `dynctl stop --pid %d` to have dynctl stop it" % pid}
     if loc["foreign"]:  # even next to our running server (another address): the next start would fail
         pid = loc["foreign"][0]
         cmd = procfs.cmdline(pid)
         return {"kind": "foreign", "pid": pid, "start": procfs.start_time(pid), "cmdline": cmd,
                 "text": "port %d is held by pid %d (%s), which dynctl does not manage"
-                        % (ctx.port, pid, " ".join(cmd)[:200]),
+                        % (ctx.port, pid, " ".join(sglang.redact_argv(cmd))[:200]),
                 "hint": "stop it yourself or change the port in the config"}
     if loc["server"] is None and op is None and not loc["leftovers"] and procfs.port_in_use(ctx.port):
         return {"kind": "hidden", "pid": None, "start": None, "cmdline": [],

@@ -8,6 +8,7 @@ import os
 import signal
 import time
 
+from dynctl import sglang
 from dynctl_agent import hostinfo, nvidia, procfs, servers, store
 from dynctl_agent.protocol import AgentError
 
@@ -20,7 +21,8 @@ def send_signal(ctx, pid, start, sig, why):
     except ProcessLookupError:
         return False
     except PermissionError as err:
-        raise AgentError("cannot signal pid %d (%s): %s" % (pid, " ".join(procfs.cmdline(pid))[:80], err.strerror))
+        raise AgentError("cannot signal pid %d (%s): %s"
+                         % (pid, " ".join(sglang.redact_argv(procfs.cmdline(pid)))[:80], err.strerror))
     store.journal(ctx, "stop.signal", pid=pid, signal=signal.Signals(sig).name, why=why, cmdline=procfs.cmdline(pid)[:8])
     return True
 
@@ -48,7 +50,7 @@ def _operator_pid(ctx, loc, pid, pid_start):
     if op is not None and op["pid"] == pid:
         return dict(op)
     if pid not in loc["unmanaged"]:
-        what = " ".join(procfs.cmdline(pid))[:200]
+        what = " ".join(sglang.redact_argv(procfs.cmdline(pid)))[:200]
         raise AgentError("pid %d (%s) is not an sglang server for port %d; dynctl stops only that server, so "
                          "nothing was signalled" % (pid, what, ctx.port), "preflight")
     return dict(pid=pid, start=st["start"], sid=st["sid"], source="operator", marker=None, argv=procfs.cmdline(pid))
@@ -163,7 +165,7 @@ def stop_server(ctx, grace=60.0, port_timeout=30.0, gpu_timeout=60.0, pid=None, 
         raise AgentError("port %d is still in use %gs after the server exited" % (ctx.port, port_timeout))
     if foreign:
         out["warnings"].append("port %d was taken by a process dynctl does not manage: pid %d (%s)"
-                               % (ctx.port, foreign[0], " ".join(procfs.cmdline(foreign[0]))[:120]))
+                               % (ctx.port, foreign[0], " ".join(sglang.redact_argv(procfs.cmdline(foreign[0])))[:120]))
     t_port = time.monotonic()
     out["timings"]["exit_to_port_free_s"] = round(t_port - t_exit, 4)
     out["timings"]["sweep_s"] = round(t_swept - t_exit, 4)

@@ -11,6 +11,7 @@ import threading
 import time
 import uuid
 
+from dynctl import sglang
 from dynctl_agent import hostinfo, httpclient, procfs, servers, store
 from dynctl_agent.protocol import AgentError
 
@@ -46,7 +47,8 @@ def start_server(ctx, argv, env=None, release=None, launch=None):
         if servers.argv_matches(server["argv"], argv):
             return {"already_running": True, "pid": server["pid"], "argv": server["argv"], "source": server["source"]}
         raise AgentError("a server is already running on port %d (pid %d, found by %s: %s); stop it first"
-                         % (ctx.port, server["pid"], server["source"], " ".join(server["argv"])[:200]), "preflight")
+                         % (ctx.port, server["pid"], server["source"],
+                            " ".join(sglang.redact_argv(server["argv"]))[:200]), "preflight")
     servers.preflight(ctx, loc, "start")
     if loc["leftovers"]:
         raise AgentError("processes of the previous server are still alive (pids %s); run `dynctl stop` first"
@@ -65,7 +67,7 @@ def start_server(ctx, argv, env=None, release=None, launch=None):
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     with os.fdopen(fd, "ab") as log:
         log.write(("==== dynctl start %s by %s release=%s argv=%s\n"
-                   % (store.now_iso(), ctx.who, release, json.dumps(argv))).encode())
+                   % (store.now_iso(), ctx.who, release, json.dumps(sglang.redact_argv(argv)))).encode())
         log.flush()
         offset = log.tell()
         try:
@@ -115,7 +117,7 @@ def log_tail(path, lines, since=0):
     return text[-lines:] if lines else []
 
 
-def _check_ready(host, port, generate, token_ids=False):
+def _check_ready(host, port, generate, token_ids=False, keys=None):
     """One readiness probe: /health_generate 200, then a real /generate that returns tokens.
 
     A server without a tokenizer (--skip-tokenizer-init) takes token ids, not text.
@@ -128,11 +130,12 @@ def _check_ready(host, port, generate, token_ids=False):
             return {"ready": True}
         prompt = {"input_ids": [1, 2, 3, 4]} if token_ids else {"text": "Hello"}
         body = dict(prompt, sampling_params={"max_new_tokens": 4, "temperature": 0})
-        status, raw = httpclient.request(host, port, "POST", "/generate", body=body, timeout=120.0)
+        status, raw = httpclient.request(host, port, "POST", "/generate", body=body, timeout=120.0, keys=keys)
     except httpclient.FAILURES as err:
         return {"ready": False, "detail": "%s" % (getattr(err, "strerror", None) or err.__class__.__name__)}
     if status != 200:
-        return {"ready": False, "detail": "/generate answered %d" % status}
+        hint = " (the server wants an API key)" if status in (401, 403) else ""
+        return {"ready": False, "detail": "/generate answered %d%s" % (status, hint)}
     try:
         answer = json.loads(raw)
         answer = answer[0] if isinstance(answer, list) else answer
@@ -149,9 +152,9 @@ def _check_ready(host, port, generate, token_ids=False):
 class _Probe(threading.Thread):
     """Readiness probe off the main loop, so a slow /health_generate never delays crash detection."""
 
-    def __init__(self, host, port, generate, token_ids):
+    def __init__(self, host, port, generate, token_ids, keys=None):
         super().__init__(daemon=True)
-        self.args_ = (host, port, generate, token_ids)
+        self.args_ = (host, port, generate, token_ids, keys)
         self.result = None
 
     def run(self):
@@ -173,6 +176,7 @@ def wait_ready(ctx, ready_timeout=900.0, generate=True, poll=0.1):
     pid, start, log_path = int(rec["pid"]), rec.get("pid_start"), rec.get("log") or ctx.path(servers.LOG)
     host = servers.probe_host(rec.get("argv"))
     token_ids = "--skip-tokenizer-init" in (rec.get("argv") or [])
+    keys = sglang.api_keys(rec.get("argv"))
     offset, partial, probe, last_yield = int(rec.get("log_offset") or 0), b"", None, time.monotonic()
     if rec.get("ready_at"):  # it was ready once: tracebacks logged while serving are not a failed start
         with contextlib.suppress(OSError):
@@ -239,7 +243,7 @@ def wait_ready(ctx, ready_timeout=900.0, generate=True, poll=0.1):
             last_detail = result.get("detail") or "not ready"
             next_probe = time.monotonic() + (0.1 if time.monotonic() - t0 < 10 else 1.0)
         if probe is None and time.monotonic() >= next_probe:
-            probe = _Probe(host, ctx.port, generate, token_ids)
+            probe = _Probe(host, ctx.port, generate, token_ids, keys)
             probe.start()
         elapsed = time.monotonic() - t0
         if elapsed >= ready_timeout:

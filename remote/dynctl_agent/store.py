@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 
+from dynctl import sglang
 from dynctl_agent.protocol import AgentError
 
 JOURNAL = "journal.jsonl"
@@ -21,7 +22,7 @@ def journal(ctx, event, **fields):
     """Append one JSON line to workdir/journal.jsonl (0600). Best effort: the journal is the audit trail, not the
     transaction, so a full disk costs the record (False) and never a stop or a rollback half way."""
     record = {"t": now_iso(), "event": event, "who": ctx.who}
-    record.update(fields)
+    record.update(sglang.redact(fields))  # a journal is read by people: no API key in it
     path = ctx.path(JOURNAL)
     try:
         ctx.ensure_workdir()

@@ -13,7 +13,7 @@ import threading
 import time
 
 from dynctl import sglang
-from dynctl_agent import httpclient, lock, nvidia, procfs, releases, servers
+from dynctl_agent import httpclient, lock, nvidia, procfs, releases, serverinfo, servers
 from dynctl_agent.protocol import AgentError
 
 _METRICS_CAP = 4 << 20
@@ -41,7 +41,7 @@ def _loads(ctx, timeout):
     only written every decode_log_interval steps and, once idle, every 30 s (scheduler_runtime_checker_mixin
     check_memory), so they lag exactly when load moves."""
     try:
-        data = httpclient.get_json("127.0.0.1", ctx.port, sglang.LOADS_PATH, timeout, 1 << 20)
+        data = httpclient.get_json("127.0.0.1", ctx.port, sglang.LOADS_PATH, timeout, 1 << 20, servers.api_keys(ctx))
     except httpclient.FAILURES as err:
         return {"ok": False, "error": httpclient.short(err)}
     loads = data.get("loads") if isinstance(data, dict) else None
@@ -54,7 +54,7 @@ def _loads(ctx, timeout):
 
 def _server_info(ctx, timeout):
     try:
-        data = httpclient.server_info("127.0.0.1", ctx.port, timeout, 8 << 20)
+        data = httpclient.server_info("127.0.0.1", ctx.port, timeout, 8 << 20, servers.api_keys(ctx))
     except httpclient.FAILURES as err:
         return {"ok": False, "error": httpclient.short(err)}
     if not isinstance(data, dict):
@@ -63,6 +63,8 @@ def _server_info(ctx, timeout):
     states = data.get("internal_states")
     first = states[0] if isinstance(states, list) and states and isinstance(states[0], dict) else {}
     out["internal_state"] = {k: first[k] for k in sglang.INTERNAL_STATE_KEYS if k in first}
+    if data.get("speculative_adaptive"):  # native: the cut its own config enforces, read from the file it names
+        out["adaptive_threshold"], out["adaptive_problem"] = serverinfo.adaptive_threshold(data)
     return {"ok": True, "data": out}
 
 
@@ -202,7 +204,8 @@ def _release(ctx):
     manifest = releases.in_force(ctx)
     if manifest is None:
         return None
-    out = {k: manifest.get(k) for k in ("strategy", "threshold", "sglang_version", "created", "who", "state")}
+    out = {k: manifest.get(k) for k in ("strategy", "threshold", "effective_threshold", "sglang_version", "created",
+                                        "who", "state")}
     out["id"] = manifest["id"]
     return out
 
