@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -156,3 +157,14 @@ def start_sim(tmp_path: Path) -> Iterator[Callable[..., Any]]:
     yield start
     for sim in started:
         sim.stop()
+
+
+@pytest.fixture
+def owned() -> Iterator[list[subprocess.Popen]]:
+    """Processes a scenario starts itself (decoys, stand-ins, foreign listeners): killed by pid afterwards."""
+    procs: list[subprocess.Popen] = []
+    yield procs
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)

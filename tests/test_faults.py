@@ -111,17 +111,6 @@ def start(s: HostSession, *flags: str) -> int:
     return lifecycle.start_server(s.agent, lifecycle.server_argv(s.host, flags))["pid"]
 
 
-@pytest.fixture
-def owned() -> Iterator[list[subprocess.Popen]]:
-    """Processes a scenario starts itself (decoys, foreign listeners): killed by pid afterwards."""
-    procs: list[subprocess.Popen] = []
-    yield procs
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-
-
 def spawn(owned: list[subprocess.Popen], argv: list[str], **kw) -> subprocess.Popen:
     kw.setdefault("stdout", subprocess.DEVNULL)
     kw.setdefault("stderr", subprocess.DEVNULL)

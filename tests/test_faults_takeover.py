@@ -228,32 +228,22 @@ def test_a_refused_start_after_the_stop_never_claims_nothing_was_killed(box: Box
 # ---------------------------------------------------------------- the CLI on the demo host (sshd, pct)
 
 
-def _standin_on(config: Path, tmp_path: Path, spawned: list[subprocess.Popen]) -> subprocess.Popen:
+def _standin_on(config: Path, tmp_path: Path, owned: list[subprocess.Popen]) -> subprocess.Popen:
     port = session(config).host.port
 
     def spawn(argv, **kw):
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                 **kw)
-        spawned.append(proc)
+        owned.append(proc)
         return proc
 
     return spawn_standin(spawn, port, tmp_path / "opcwd")
 
 
-@pytest.fixture
-def spawned():
-    procs: list[subprocess.Popen] = []
-    yield procs
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-
-
 @pytest.mark.parametrize("via", ["pct", "ssh"])
-def test_deploy_yes_refuses_the_operators_server_and_adopt_takes_it_over(demo_box, tmp_path, spawned, via):
+def test_deploy_yes_refuses_the_operators_server_and_adopt_takes_it_over(demo_box, tmp_path, owned, via):
     config = demo_box(via=via)
-    op = _standin_on(config, tmp_path, spawned)
+    op = _standin_on(config, tmp_path, owned)
     before = tree_sha256(config)
 
     dry = dynctl("deploy", "--threshold", "5", "--dry-run", config=config)
@@ -292,7 +282,7 @@ def test_deploy_yes_refuses_the_operators_server_and_adopt_takes_it_over(demo_bo
     assert tree_sha256(config) == before
 
 
-def test_the_demo_leaves_the_operators_server_alone_and_takes_a_free_port(tmp_path, isolated_home, spawned):
+def test_the_demo_leaves_the_operators_server_alone_and_takes_a_free_port(tmp_path, isolated_home, owned):
     from sglang_trees import sglang_wheel
 
     data = tmp_path / "data"
@@ -307,7 +297,7 @@ def test_the_demo_leaves_the_operators_server_alone_and_takes_a_free_port(tmp_pa
     def spawn(argv, **kw):
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                 **kw)
-        spawned.append(proc)
+        owned.append(proc)
         return proc
 
     op = spawn_standin(spawn, port, tmp_path / "opcwd")
@@ -335,9 +325,9 @@ def test_the_demo_leaves_the_operators_server_alone_and_takes_a_free_port(tmp_pa
 
 
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed (apt-get install tmux)")
-def test_on_a_terminal_the_prompt_names_the_takeover_and_only_yes_takes_it_over(demo_box, tmp_path, spawned):
+def test_on_a_terminal_the_prompt_names_the_takeover_and_only_yes_takes_it_over(demo_box, tmp_path, owned):
     config = demo_box(via="local")
-    op = _standin_on(config, tmp_path, spawned)
+    op = _standin_on(config, tmp_path, owned)
     port = session(config).host.port
     env = dict(os.environ, TMUX_TMPDIR=str(tmp_path), TERM="xterm-256color")
     name = "dynctl-takeover"
@@ -372,10 +362,10 @@ def test_on_a_terminal_the_prompt_names_the_takeover_and_only_yes_takes_it_over(
     assert restored.cmdline() == standin_argv(port) and restored.environ()["OPERATOR_TOKEN"] == SECRET
 
 
-def test_rollback_and_stop_take_it_over_only_with_adopt(demo_box, tmp_path, spawned):
+def test_rollback_and_stop_take_it_over_only_with_adopt(demo_box, tmp_path, owned):
     config = demo_box(via="local")
     port = session(config).host.port
-    op = _standin_on(config, tmp_path, spawned)
+    op = _standin_on(config, tmp_path, owned)
     before = tree_sha256(config)
     res = dynctl("rollback", "--yes", "--adopt", config=config)
     assert res.returncode == 0, res.stdout + res.stderr
@@ -385,7 +375,7 @@ def test_rollback_and_stop_take_it_over_only_with_adopt(demo_box, tmp_path, spaw
 
     # the restored launch is ours now: a plain stop stops it; a second hand-started one needs --adopt again
     assert dynctl("stop", "--yes", config=config).returncode == 0 and not alive(pid)
-    second = _standin_on(config, tmp_path / "2", spawned)
+    second = _standin_on(config, tmp_path / "2", owned)
     refused = dynctl("stop", "--yes", config=config)
     assert refused.returncode == 3 and f"pid {second.pid}, not started by dynctl" in " ".join(refused.stderr.split())
     assert second.poll() is None

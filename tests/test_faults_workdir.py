@@ -16,7 +16,6 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -99,16 +98,6 @@ def installed_as_shipped(workdir: Path) -> None:
         assert (root / name).read_bytes() == data, name
         stem = Path(name)
         assert (root / stem.parent / "__pycache__" / f"{stem.stem}.{TAG}.pyc").is_file(), name
-
-
-@pytest.fixture
-def owned() -> Iterator[list[subprocess.Popen]]:
-    procs: list[subprocess.Popen] = []
-    yield procs
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
 
 
 # --------------------------------------------------------------------------- StrictModes: another user's workdir

@@ -105,12 +105,9 @@ RECORDS = ("lock", "server.json", "state.json", "current", "journal.jsonl", "jou
 
 
 def _name(uid):
-    try:
-        import pwd
+    from dynctl_agent.procfs import user_name  # the one lookup of a login name (procfs imports nothing of ours)
 
-        return pwd.getpwuid(uid).pw_name
-    except (ImportError, KeyError):
-        return str(uid)
+    return user_name(uid)
 
 
 def _who(uid):
