@@ -20,7 +20,9 @@ import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import tomllib
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -44,23 +46,37 @@ def always(question: str) -> bool:
     return True
 
 
-def standin_argv(port: int) -> list[str]:
-    return [sys.executable, "-m", "sglang.launch_server", "--model-path", "/models/operator-model", "--tp", "8",
+def standin_argv(port: int, python: str = sys.executable) -> list[str]:
+    return [python, "-m", "sglang.launch_server", "--model-path", "/models/operator-model", "--tp", "8",
             "--port", str(port)]
 
 
-def spawn_standin(spawn, port: int, cwd: Path, user: int | None = None) -> subprocess.Popen:
-    """The operator's hand-started server (tests/servers behind sglang's launcher name), listening on `port`."""
-    cwd.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, PYTHONPATH=str(SHIM), OPERATOR_TOKEN=SECRET)
+@pytest.fixture(scope="module")
+def anyone_shim() -> Iterator[Path]:
+    """tests/servers copied where any uid can read it: a checkout and pytest's tmp dirs may be closed to others
+    (mktemp and /tmp/pytest-of-root are 0700), and another user's stand-in must still start."""
+    root = Path(tempfile.mkdtemp(prefix="dynctl-standin-", dir="/tmp"))
+    shutil.copytree(SHIM.parent, root / "servers")
+    for path in [root, *root.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    yield root / "servers" / SHIM.name
+    shutil.rmtree(root)
+
+
+def spawn_standin(spawn, port: int, cwd: Path, user: int | None = None, shim: Path = SHIM) -> subprocess.Popen:
+    """The operator's hand-started server (tests/servers behind sglang's launcher name), listening on `port`;
+    run as `user` by the system's interpreter (stdlib only) from `shim`, which that user must be able to read."""
+    env = dict(os.environ, PYTHONPATH=str(shim), OPERATOR_TOKEN=SECRET)
     env.pop("DYNCTL_SERVER_ID", None)
     argv = standin_argv(port)
     if user is not None:
-        cwd.chmod(0o755)
+        cwd = shim.parent / cwd.name
+        argv = standin_argv(port, os.path.realpath(sys.executable))
         argv = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", "--", *argv]
+    cwd.mkdir(parents=True, exist_ok=True)
     proc = spawn(argv, env=env, cwd=str(cwd), start_new_session=True)
     wait_for(lambda: listening(port), 30, what="the operator's server to listen")
-    assert psutil.Process(proc.pid).cmdline() == standin_argv(port)  # setpriv execs: the same pid
+    assert psutil.Process(proc.pid).cmdline() == argv[-len(standin_argv(port)):]  # setpriv execs: the same pid
     return proc
 
 
@@ -137,10 +153,10 @@ def test_restart_with_the_word_adopts_its_argv_environment_and_cwd(box: Box, tmp
     assert psutil.Process(again["pid"]).cmdline() == standin_argv(box.port)
 
 
-def test_another_users_server_is_never_taken_over_only_stop_pid_stops_it(box: Box, tmp_path: Path):
+def test_another_users_server_is_never_taken_over_only_stop_pid_stops_it(box: Box, tmp_path: Path, anyone_shim: Path):
     if os.geteuid() != 0:
         pytest.skip("starting a process as another uid needs root")
-    op = spawn_standin(box.spawn, box.port, tmp_path / "nobody-cwd", user=NOBODY)
+    op = spawn_standin(box.spawn, box.port, tmp_path / "nobody-cwd", user=NOBODY, shim=anyone_shim)
     assert psutil.Process(op.pid).uids().real == NOBODY
     state = lifecycle.find_server(box.agent)
     assert state.not_ours["kind"] == "operator" and state.not_ours["adoptable"] is False
@@ -163,15 +179,16 @@ def test_another_users_server_is_never_taken_over_only_stop_pid_stops_it(box: Bo
     assert result["stopped"] and op.wait(10) == 0
 
 
-def test_a_pidfile_naming_another_users_process_never_makes_it_ours(box: Box, tmp_path: Path):
+def test_a_pidfile_naming_another_users_process_never_makes_it_ours(box: Box, tmp_path: Path, anyone_shim: Path):
     """A server.json that names another uid's launcher (its real pid, start time and argv) does not make it
     ours: stop refuses it and signals nothing."""
     if os.geteuid() != 0:
         pytest.skip("starting a process as another uid needs root")
-    op = spawn_standin(box.spawn, box.port, tmp_path / "nobody-cwd", user=NOBODY)
+    op = spawn_standin(box.spawn, box.port, tmp_path / "nobody-cwd", user=NOBODY, shim=anyone_shim)
     box.workdir.mkdir(parents=True, exist_ok=True)
     start = int(Path(f"/proc/{op.pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
-    record = {"pid": op.pid, "pid_start": start, "argv": standin_argv(box.port), "port": box.port, "marker": None}
+    record = {"pid": op.pid, "pid_start": start, "argv": psutil.Process(op.pid).cmdline(), "port": box.port,
+              "marker": None}
     (box.workdir / "server.json").write_text(json.dumps(record))
     (box.workdir / "server.json").chmod(0o600)
     state = lifecycle.find_server(box.agent)
