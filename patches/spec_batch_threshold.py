@@ -136,6 +136,25 @@ class SpecDisablePolicy:
         return Decision(speculate, transition)
 
 
+def known_seq_lens(draft_input: Any, batch: Any) -> Any:
+    """The batch's sequence lengths on the host after a plain-decode step, or None.
+
+    A plain step accepts exactly one token per request, so its new lengths are the host copy
+    the scheduler already holds plus one, and the scheduler need not copy them back from the
+    device. That holds while the rows are the step's rows, or a subset of them (finished or
+    retracted requests filtered out): a batch merged with new requests since (its future
+    indices lose their interval) reads the lengths back as usual.
+    """
+    if not getattr(draft_input, "_spec_disable_plain", False):
+        return None
+    future = getattr(draft_input, "future_indices", None)
+    if future is None or future.interval is None or batch.seq_lens_cpu is None:
+        return None
+    if len(batch.seq_lens_cpu) != len(batch.reqs):
+        return None
+    return batch.seq_lens_cpu + 1
+
+
 def unsupported_reason(server_args: Any) -> Optional[str]:
     """Why the threshold cannot take effect under these server args, or None.
 

@@ -15,7 +15,7 @@ WORKER_METHODS = {"_skip_speculation", "_init_spec_disable", "_capture_spec_disa
                   "_spec_disable_plain_target", "_spec_disable_one_token_draft",
                   "_forward_batch_generation_no_spec", "_no_spec_draft_extend",
                   "_no_spec_bonus_tokens", "_no_spec_finish_result", "_no_spec_draft_context",
-                  "_no_spec_serves_logprobs"}
+                  "_no_spec_serves_logprobs", "_no_spec_result_tokens", "_spec_disable_decide_early"}
 # sglang 0.5.14: one fragment, the draft skipped on disabled steps (no one-token draft-extend).
 WORKER_METHODS_0_5_14 = {"_skip_speculation", "_init_spec_disable", "_capture_spec_disable_graphs",
                          "_spec_disable_plain_target", "_forward_batch_generation_no_spec"}
@@ -96,8 +96,12 @@ def check_eagle_worker(text: str, variant: str = "0.5.12") -> None:
         assert isinstance(first, ast.If) and ast.unparse(first.test) == "self._skip_speculation(batch)"
         assert ast.unparse(first.body[0]) == "return self._forward_batch_generation_no_spec(batch, on_publish)"
     else:
-        assert isinstance(first, ast.If) and ast.unparse(first.test) == "self._skip_speculation(model_worker_batch)"
-        assert ast.unparse(first.body[0]) == "return self._forward_batch_generation_no_spec(model_worker_batch)"
+        # the decision taken when the scheduler resolved the step's inputs, else taken here
+        assert ast.unparse(first) == "plain = getattr(model_worker_batch, '_spec_disable_plain', None)"
+        second = _method(cls, "forward_batch_generation").body[1]
+        assert isinstance(second, ast.If) and ast.unparse(second.test) == (
+            "self._skip_speculation(model_worker_batch) if plain is None else plain")
+        assert ast.unparse(second.body[0]) == "return self._forward_batch_generation_no_spec(model_worker_batch)"
     undefined = undefined_names(tree, cls, wanted)
     assert not undefined, f"names the patch uses but eagle_worker_v2.py does not define: {undefined}"
 
@@ -123,11 +127,32 @@ def undefined_names(tree: ast.Module, cls: ast.ClassDef, methods: set[str]) -> s
     return missing
 
 
+def check_lean_plain_step(texts: dict[str, str]) -> None:
+    """sglang 0.5.12: a plain-decode step resolves and stores only what it reads, and its lengths are
+    not copied back from the device."""
+    overlap = _class(ast.parse(texts["srt/managers/overlap_utils.py"]), "FutureMap")
+    resolve = ast.unparse(_method(overlap, "resolve_future"))
+    assert "decide = getattr(self, '_spec_disable_decide', None)" in resolve
+    assert resolve.index("indices.record_stream(") < resolve.index("_spec_disable_decide") < resolve.index(
+        "draft_input.topk_p = self.topk_p_buf[indices]")
+    store = ast.unparse(_method(overlap, "store_to_map_for_new_batch"))
+    assert store.index("if draft_input.topk_p is None and self.buf_initialized:") < store.index(
+        "if not self.buf_initialized:")
+    mixin = _class(ast.parse(texts["srt/speculative/eagle_info_v2.py"]), "EagleDraftInputV2Mixin")
+    prepare = ast.unparse(_method(mixin, "prepare_for_decode"))
+    assert prepare.index("known = known_seq_lens(self, batch)") < prepare.index("batch.seq_lens.cpu()")
+    scheduler = ast.unparse(_method(_class(ast.parse(texts["srt/managers/scheduler.py"]), "Scheduler"), "__init__"))
+    assert scheduler.index("self.init_overlap()") < scheduler.index(
+        "self.future_map._spec_disable_decide = self.draft_worker._spec_disable_decide_early")
+
+
 def check_all(texts: dict[str, str], variant: str = "0.5.12") -> None:
     check_server_args(texts["srt/server_args.py"], variant)
     check_scheduler(texts["srt/managers/scheduler.py"])
     check_eagle_worker(texts["srt/speculative/eagle_worker_v2.py"], variant)
     ast.parse(texts["srt/speculative/spec_batch_threshold.py"])
+    if variant == "0.5.12":
+        check_lean_plain_step(texts)
 
 
 def unpatched_text(version: str, path: str, text: str) -> str:

@@ -26,6 +26,7 @@ from typer.testing import CliRunner
 from dynctl.agent import AgentClient, AgentError
 from dynctl.cli import app
 from dynctl.config import HostConfig
+from dynctl.errors import PreflightError
 from dynctl.patching import TARGET_FILES, PatchRefused, variant_for
 from dynctl.patching.host import apply_plan, plan_for_apply, read_patch_state
 from dynctl.patching.recipe import target_files
@@ -50,7 +51,7 @@ class Box:
         return self.package / rel
 
     def hashes(self) -> dict[str, str | None]:
-        return {rel: _sha(self.path(rel)) for rel in target_files()}
+        return {rel: _sha(self.path(rel)) for rel in _files(self.version)}
 
     def releases(self) -> list[str]:
         root = self.workdir / "releases"
@@ -58,11 +59,19 @@ class Box:
 
     def leftovers(self) -> list[Path]:
         """Candidate or restore temp files left next to the targets."""
-        return [p for rel in target_files() for p in self.path(rel).parent.glob(".*.dynctl-*")]
+        return [p for rel in _files(self.version) for p in self.path(rel).parent.glob(".*.dynctl-*")]
 
     def journal(self) -> list[dict]:
         path = self.workdir / "journal.jsonl"
         return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _files(version: str) -> list[str]:
+    """The files the patch of `version` changes; for a release it cannot patch, every file it may touch."""
+    try:
+        return TARGET_FILES(version) or target_files()
+    except PreflightError:
+        return target_files()
 
 
 def _sha(path: Path) -> str | None:

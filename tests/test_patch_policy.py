@@ -255,3 +255,40 @@ def test_weights_read_per_step_leave_out_the_embedding_tables() -> None:
 ])
 def test_auto_keeps_the_draft_warm_only_when_it_is_small(mode: str, draft: int, target: int, resolved: str) -> None:
     assert sbt.resolve_draft_mode(mode, draft, target) == resolved
+
+
+class _Lens(list):
+    """A host tensor of lengths, as far as known_seq_lens uses one (elementwise + 1)."""
+
+    def __add__(self, other):
+        return _Lens(x + other for x in self)
+
+
+class _Future:
+    def __init__(self, interval):
+        self.interval = interval
+
+
+def _draft(plain, interval=slice(1, 4)):
+    draft = types.SimpleNamespace(future_indices=_Future(interval))
+    if plain:
+        draft._spec_disable_plain = True
+    return draft
+
+
+def _batch(n=3):
+    return types.SimpleNamespace(seq_lens_cpu=_Lens(range(10, 10 + n)), reqs=[object()] * n)
+
+
+def test_known_seq_lens_after_a_plain_step_are_the_host_copy_plus_one():
+    assert sbt.known_seq_lens(_draft(True), _batch()) == [11, 12, 13]
+
+
+@pytest.mark.parametrize(("draft", "batch"), [
+    (_draft(False), _batch()),                      # a speculative step: accept lengths unknown on the host
+    (_draft(True, interval=None), _batch()),        # merged with new requests since: their rows need no +1
+    (types.SimpleNamespace(_spec_disable_plain=True, future_indices=None), _batch()),
+    (_draft(True), types.SimpleNamespace(seq_lens_cpu=None, reqs=[])),
+])
+def test_known_seq_lens_reads_back_whenever_the_rows_are_not_the_plain_steps(draft, batch):
+    assert sbt.known_seq_lens(draft, batch) is None

@@ -20,7 +20,7 @@ def main():
     ap.add_argument("runs", nargs="+")
     ap.add_argument("--version", required=True)
     ap.add_argument("--model", required=True, help="k=v,... (hidden, layers, heads, kv_heads, inter, params_b)")
-    ap.add_argument("--base", default="nospec")
+    ap.add_argument("--base", default="no_spec")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     model = {}
@@ -34,6 +34,16 @@ def main():
             for r in json.load(open(path)):
                 r["run"] = os.path.basename(os.path.normpath(run))
                 rows.setdefault(label, []).append(r)
+    # the results' names for the profile phase's labels ("t5": threshold 5; "<tree>-t0": another patch build)
+    def name(label):
+        if label == "nospec":
+            return "no_spec"
+        tree, _, t = label.rpartition("-")
+        if t[:1] == "t" and t[1:].lstrip("-").isdigit():
+            return f"threshold_{t[1:]}" + (f"_{tree}" if tree else "")
+        return label
+
+    rows = {name(label): rs for label, rs in rows.items()}
     levels = sorted({r["concurrency"] for rs in rows.values() for r in rs})
 
     def at(label, c):

@@ -87,7 +87,9 @@ class Plan:
 
 def TARGET_FILES(version: str) -> list[str]:
     """Relative paths (under the sglang package dir) the strategy for `version` touches."""
-    return target_files() if strategy_for(version) == "patch" else []
+    if strategy_for(version) != "patch":
+        return []
+    return [recipe.path for recipe in recipes(variant_for(version))] + [NEW_MODULE]
 
 
 # --------------------------------------------------------------------------- text surgery
@@ -239,7 +241,7 @@ def plan_patch(
             file=todo[0],
         )
     changes = tuple(
-        FileChange(path, originals.get(path), new_texts[path]) for path in target_files()
+        FileChange(path, originals.get(path), new_texts[path]) for path in target_files() if path in new_texts
     )
     return Plan(version, variant, "ready", changes, leftover=leftover)
 

@@ -20,6 +20,8 @@ SERVER_ARGS = "srt/server_args.py"
 SCHEDULER = "srt/managers/scheduler.py"
 EAGLE_WORKER = "srt/speculative/eagle_worker_v2.py"
 NEW_MODULE = "srt/speculative/spec_batch_threshold.py"
+OVERLAP_UTILS = "srt/managers/overlap_utils.py"
+EAGLE_INFO_V2 = "srt/speculative/eagle_info_v2.py"
 
 # Names only the patch brings into these files: their presence outside our fragments means a
 # file was patched and then edited.
@@ -102,7 +104,9 @@ def _scheduler(variant: str) -> FileRecipe:
     # creates the worker first, later releases create the metrics first.
     after_both = ("        self.init_metrics(tp_rank, pp_rank, dp_rank)\n" if variant == "0.5.6"
                   else "        self.init_model_worker()\n")
-    return FileRecipe(SCHEDULER, (
+    lean = (Insertion("the init_overlap() call in Scheduler.__init__", "scheduler.future_map-0.5.12.pyfrag",
+                      "        self.init_overlap()\n"),) if variant == "0.5.12" else ()
+    return FileRecipe(SCHEDULER, lean + (
         Insertion("the set_internal_state allow-list", "scheduler.allow_list.pyfrag",
                   '                "speculative_accept_threshold_acc",\n'),
         Insertion("the set_internal_state key check", "scheduler.validate.pyfrag",
@@ -153,10 +157,33 @@ def _eagle_worker(variant: str) -> FileRecipe:
     ), checks=(_eagle_class_is_last,))
 
 
+def _lean_plain_step(variant: str) -> tuple[FileRecipe, ...]:
+    """Where a plain-decode step skips the speculative scheduler's bookkeeping: FutureMap
+    resolves and stores only the bonus tokens and lengths, and prepare_for_decode takes the
+    new lengths from the host instead of copying them back (sglang 0.5.12)."""
+    if variant != "0.5.12":
+        return ()
+    return (
+        FileRecipe(OVERLAP_UTILS, (
+            Insertion("FutureMap.resolve_future's record_stream of the future indices",
+                      "overlap_utils.resolve-0.5.12.pyfrag",
+                      "            indices.record_stream(torch.get_device_module(self.device).current_stream())\n"),
+            Insertion("FutureMap.store_to_map_for_new_batch's lazy buffer initialisation",
+                      "overlap_utils.store-0.5.12.pyfrag", "        if not self.buf_initialized:\n", before=True),
+        )),
+        FileRecipe(EAGLE_INFO_V2, (
+            Insertion("the seq_lens host copy in EagleDraftInputV2Mixin.prepare_for_decode",
+                      "eagle_info_v2.known_lens-0.5.12.pyfrag", "        # FIXME(lsyin): make this sync optional\n",
+                      before=True),
+        )),
+    )
+
+
 def recipes(variant: str) -> tuple[FileRecipe, ...]:
-    return (_server_args(variant), _scheduler(variant), _eagle_worker(variant))
+    return (_server_args(variant), _scheduler(variant), _eagle_worker(variant)) + _lean_plain_step(variant)
 
 
 def target_files() -> list[str]:
-    """Files the patch strategy touches, relative to the sglang package directory."""
-    return [SERVER_ARGS, SCHEDULER, EAGLE_WORKER, NEW_MODULE]
+    """Files the patch strategy may touch (read for every release; each variant's recipes say
+    which it changes), relative to the sglang package directory."""
+    return [SERVER_ARGS, SCHEDULER, EAGLE_WORKER, OVERLAP_UTILS, EAGLE_INFO_V2, NEW_MODULE]

@@ -580,7 +580,8 @@ def phase_check(a):
     n = a.threshold
     denv, deployer, deployed = deploy_strict(a.version, m, n)
     plan = [Server(f"{a.version}-nospec", 30010, envs["pristine"], common_args(m, False)),
-            Server(f"{a.version}-warm", 30011, dict(envs["patched"], SGLANG_SPEC_THRESHOLD_DRAFT="extend"),
+            Server(f"{a.version}-warm", 30011,
+                   dict(envs["patched"], SGLANG_SPEC_THRESHOLD_DRAFT=os.environ.get("CHECK_DRAFT", "extend")),
                    common_args(m, True, ["--speculative-disable-batch-threshold", "2"]))]
     servers = launch_all(plan)
     s, ns = servers.get(f"{a.version}-warm"), servers.get(f"{a.version}-nospec")
