@@ -8,6 +8,7 @@ import builtins
 from dynctl.patching.engine import _unapply_recipe
 from dynctl.patching.recipe import recipes
 from dynctl.patching.versions import variant_for
+from dynctl.sglang import parse_version
 
 FLAG = "--speculative-disable-batch-threshold"
 FIELD = "speculative_disable_batch_threshold"
@@ -16,13 +17,21 @@ WORKER_METHODS = {"_skip_speculation", "_init_spec_disable", "_capture_spec_disa
                   "_forward_batch_generation_no_spec", "_no_spec_draft_extend",
                   "_no_spec_bonus_tokens", "_no_spec_finish_result", "_no_spec_draft_context",
                   "_no_spec_serves_logprobs"}
-# sglang 0.5.14: one fragment, the draft skipped on disabled steps (no one-token draft-extend).
+# sglang 0.5.14 on: one fragment, the draft skipped on disabled steps (no one-token draft-extend),
+# and per-release adapter methods.
 WORKER_METHODS_0_5_14 = {"_skip_speculation", "_init_spec_disable", "_capture_spec_disable_graphs",
-                         "_spec_disable_plain_target", "_forward_batch_generation_no_spec"}
+                         "_spec_disable_plain_target", "_forward_batch_generation_no_spec",
+                         "_spec_disable_threshold", "_spec_disable_keeps_recurrent_state",
+                         "_spec_disable_target_decode"}
+
+
+def takes_schedule_batch(variant: str) -> bool:
+    """Variants of the releases whose worker takes the ScheduleBatch (0.5.14 and later)."""
+    return parse_version(variant) >= (0, 5, 14)
 
 
 def worker_methods(variant: str) -> set[str]:
-    return WORKER_METHODS_0_5_14 if variant == "0.5.14" else WORKER_METHODS
+    return WORKER_METHODS_0_5_14 if takes_schedule_batch(variant) else WORKER_METHODS
 
 
 def _class(tree: ast.Module, name: str) -> ast.ClassDef:
@@ -46,14 +55,17 @@ def check_server_args(text: str, variant: str = "0.5.12") -> None:
     assert isinstance(field.value, ast.Constant) and field.value.value is None
     post_init = ast.unparse(_method(cls, "__post_init__"))
     assert "check_threshold_args(self)" in post_init
-    if variant == "0.5.14":
+    if takes_schedule_batch(variant):
         # the command line is derived from the annotation: Optional[int] gives type=int, the help text
         # is the string (sglang's own arg_utils, exercised in test_patching)
         annotation = field.annotation
         assert isinstance(annotation, ast.Subscript) and ast.unparse(annotation.value) == "A"
-        inner, help_text = annotation.slice.elts
+        inner, help_text, *markers = annotation.slice.elts
         assert ast.unparse(inner) == "Optional[int]"
         assert isinstance(help_text, ast.Constant) and "more than N requests" in help_text.value
+        # where fields carry a namespace marker (0.5.17: NS("spec")), ours has the one of its neighbour
+        neighbour = fields["speculative_num_draft_tokens"].annotation.slice.elts[2:]
+        assert [ast.unparse(m) for m in markers] == [ast.unparse(m) for m in neighbour]
         assert post_init.index("handle_speculative_decoding(self)") < post_init.index("check_threshold_args(self)")
         return
     assert ast.unparse(field.annotation) == "Optional[int]"
@@ -92,7 +104,7 @@ def check_eagle_worker(text: str, variant: str = "0.5.12") -> None:
     wanted = worker_methods(variant)
     assert wanted <= methods, f"missing methods: {wanted - methods}"
     first = _method(cls, "forward_batch_generation").body[0]
-    if variant == "0.5.14":
+    if takes_schedule_batch(variant):
         assert isinstance(first, ast.If) and ast.unparse(first.test) == "self._skip_speculation(batch)"
         assert ast.unparse(first.body[0]) == "return self._forward_batch_generation_no_spec(batch, on_publish)"
     else:
