@@ -95,6 +95,18 @@ def variant_for(version: str) -> str:
     return release.variant
 
 
+def strategy_note(version: str, strategy: str) -> str | None:
+    """What `dynctl status` says beside the strategy: measured or not, and a variant that "auto" leaves aside."""
+    if not _has_variant(version):
+        return None
+    if strategy == "patch":
+        return "patch measured on a GPU" if is_measured(version) else unmeasured_note(version)
+    if strategy == "native" and not is_measured(version):
+        return (f'a patch variant for sglang {version} exists but is not measured on a GPU; '
+                f'strategy = "patch" takes it')
+    return None
+
+
 def parse_threshold(value: object, where: str = "threshold") -> int:
     """A threshold from the command line or a config: an integer from -1 to 1,000,000."""
     if isinstance(value, bool):
