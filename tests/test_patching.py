@@ -611,8 +611,11 @@ def test_the_annotated_field_gives_the_flag_through_sglangs_own_cli_derivation(v
     try:
         spec.loader.exec_module(module)
         # the class resolves its annotations in the module it names: arg_utils has A and Optional
-        namespace = {"__name__": spec.name, "A": module.A, "Optional": typing.Optional}
-        exec("class Args:\n" + fragment_text("server_args.field-0.5.14"), namespace)
+        namespace = {"__name__": spec.name, "A": module.A, "Optional": typing.Optional,
+                     "NS": getattr(module, "NS", None)}
+        field = next(ins.fragment for recipe in recipes(variant_for(version)) for ins in recipe.insertions
+                     if ins.fragment.startswith("server_args.field"))
+        exec("class Args:\n" + fragment_text(field), namespace)
         args_cls = dataclasses.dataclass(namespace["Args"])
         parser = argparse.ArgumentParser()
         module.add_cli_args_from_dataclass(parser, args_cls)
