@@ -22,7 +22,8 @@ WORKER_METHODS = {"_skip_speculation", "_init_spec_disable", "_capture_spec_disa
 WORKER_METHODS_0_5_14 = {"_skip_speculation", "_init_spec_disable", "_capture_spec_disable_graphs",
                          "_spec_disable_plain_target", "_forward_batch_generation_no_spec",
                          "_spec_disable_threshold", "_spec_disable_keeps_recurrent_state",
-                         "_spec_disable_target_decode"}
+                         "_spec_disable_target_decode", "_spec_disable_clear_read_done",
+                         "_spec_disable_hand_over_read_done"}
 
 
 def takes_schedule_batch(variant: str) -> bool:
@@ -54,6 +55,12 @@ def check_server_args(text: str, variant: str = "0.5.12") -> None:
     field = fields[FIELD]
     assert isinstance(field.value, ast.Constant) and field.value.value is None
     post_init = ast.unparse(_method(cls, "__post_init__"))
+    if "check_threshold_args(self)" not in post_init:
+        # from 0.5.18 __post_init__ runs an ordered pipeline method, which holds the check
+        pipeline = [n for n in cls.body if isinstance(n, ast.FunctionDef)
+                    and "check_threshold_args(self)" in ast.unparse(n)]
+        assert len(pipeline) == 1 and f"self.{pipeline[0].name}()" in post_init
+        post_init = ast.unparse(pipeline[0])
     assert "check_threshold_args(self)" in post_init
     if takes_schedule_batch(variant):
         # the command line is derived from the annotation: Optional[int] gives type=int, the help text

@@ -96,7 +96,7 @@ def _compile_cached(path: Path) -> Path:
 # --------------------------------------------------------------------------- the round trip, every version
 
 
-@pytest.mark.parametrize("version", ["0.5.15", "0.5.15.post1", "0.5.16", "0.5.17"])
+@pytest.mark.parametrize("version", ["0.5.15", "0.5.15.post1", "0.5.16", "0.5.17", "0.5.18"])
 def test_unmeasured_variants_round_trip_with_strategy_patch(make_box, version: str, tmp_path: Path) -> None:
     """Variants not measured on a GPU apply and revert byte for byte when the host asks for the patch."""
     assert read_patch_state(make_box(version, name="auto").agent).strategy == "native"

@@ -15,9 +15,11 @@ import textwrap
 import zipfile
 from pathlib import Path
 
+import pytest
 from sglang_trees import sglang_wheel
 
 from dynctl.patching.recipe import fragment_text, recipes, table
+from dynctl.patching.versions import variant_for
 
 VERSION = "0.5.17"
 # What runtime_context imports when it loads (its other imports are lazy).
@@ -99,9 +101,12 @@ def test_a_field_without_the_namespace_marker_makes_the_override_fail(tmp_path: 
                                     "'speculative_disable_batch_threshold'"
 
 
-def test_the_scheduler_applies_and_reports_through_the_context() -> None:
-    """What the two tests above stand in for: 0.5.17's set_internal_state and get_internal_state."""
-    with zipfile.ZipFile(sglang_wheel(VERSION)) as wheel:
+@pytest.mark.parametrize("version", ["0.5.17", "0.5.18"])
+def test_the_scheduler_applies_and_reports_through_the_context(version: str) -> None:
+    """What the two tests above stand in for: set_internal_state and get_internal_state of the releases
+    whose adapter reads the spec bag."""
+    assert _reader(variant_for(version)) == _reader("0.5.17")
+    with zipfile.ZipFile(sglang_wheel(version)) as wheel:
         scheduler = ast.parse(wheel.read("sglang/srt/managers/scheduler.py").decode())
     cls = next(n for n in ast.walk(scheduler) if isinstance(n, ast.ClassDef) and n.name == "Scheduler")
     methods = {n.name: ast.unparse(n) for n in cls.body if isinstance(n, ast.FunctionDef)}

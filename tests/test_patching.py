@@ -28,7 +28,7 @@ from dynctl.patching.recipe import NEW_MODULE, SERVER_ARGS, recipes, target_file
 
 PATCH_VERSIONS = ["0.5.6", "0.5.7", "0.5.8", "0.5.9", "0.5.10", "0.5.11", "0.5.12"]
 # Releases whose worker takes a ScheduleBatch (their own contract tests below).
-SCHEDULE_BATCH_VERSIONS = ["0.5.14", "0.5.15", "0.5.15.post1", "0.5.16", "0.5.17"]
+SCHEDULE_BATCH_VERSIONS = ["0.5.14", "0.5.15", "0.5.15.post1", "0.5.16", "0.5.17", "0.5.18"]
 
 
 @cache
@@ -104,7 +104,8 @@ def test_variants_follow_the_release_matrix() -> None:
     assert variant_for("0.5.14") == variant_for("0.5.14.post1") == "0.5.14"
     assert variant_for("0.5.15") == variant_for("0.5.15.post1") == variant_for("0.5.15.post2") == "0.5.15"
     assert [variant_for(v) for v in ("0.5.16", "0.5.17")] == ["0.5.16", "0.5.17"]
-    for version in ("0.5.18", "0.5.23", "0.5.13", "0.5.5"):
+    assert variant_for("0.5.18") == "0.5.18"
+    for version in ("0.5.19", "0.5.23", "0.5.13", "0.5.5"):
         with pytest.raises(PreflightError):
             variant_for(version)
 
@@ -380,8 +381,8 @@ def test_the_host_strategy_key_picks_where_a_release_allows_both(version: str, p
 @pytest.mark.parametrize(("version", "preference", "why"), [
     ("0.5.12", "native", 'strategy = "native" cannot serve sglang 0.5.12: the native strategy needs'),
     ("0.5.6.post1", "native", "from sglang 0.5.14"),
-    ("0.5.18", "patch", 'strategy = "patch" cannot serve sglang 0.5.18: dynctl has no patch variant'),
-    ("0.5.23", "patch", "variants: 0.5.6, 0.5.7, 0.5.8, 0.5.12, 0.5.14, 0.5.15, 0.5.16, 0.5.17"),
+    ("0.5.19", "patch", 'strategy = "patch" cannot serve sglang 0.5.19: dynctl has no patch variant'),
+    ("0.5.23", "patch", "variants: 0.5.6, 0.5.7, 0.5.8, 0.5.12, 0.5.14, 0.5.15, 0.5.16, 0.5.17, 0.5.18"),
     ("0.5.13", "native", "sglang 0.5.13 is not supported"),
 ])
 def test_a_strategy_the_release_cannot_take_is_refused(version: str, preference: str, why: str) -> None:
@@ -408,9 +409,14 @@ def _function(text: str, cls_name: str | None, name: str) -> ast.FunctionDef:
 
 # Where each release keeps what the ScheduleBatch fast path reads (the adapter fragments follow these).
 _CACHE_LOCS = {"0.5.14": "srt/speculative/triton_ops/cache_locs.py", "0.5.15": "srt/speculative/triton_ops/cache_locs.py",
-               "0.5.16": "kernels/ops/speculative/cache_locs.py", "0.5.17": "kernels/ops/speculative/cache_locs.py"}
-_CAPTURE_MODE_KEYWORD = {"0.5.16", "0.5.17"}  # ScheduleBatch lost capture_hidden_mode: a keyword of the forward
-_RANKS_IN_PS = {"0.5.16", "0.5.17"}  # the worker's ranks are in self.ps (the adapter's tp_rank property)
+               "0.5.16": "kernels/ops/speculative/cache_locs.py", "0.5.17": "kernels/ops/speculative/cache_locs.py",
+               "0.5.18": "kernels/ops/speculative/cache_locs.py"}
+_CAPTURE_MODE_KEYWORD = {"0.5.16", "0.5.17", "0.5.18"}  # ScheduleBatch lost capture_hidden_mode: a forward keyword
+_RANKS_IN_PS = {"0.5.16", "0.5.17", "0.5.18"}  # the worker's ranks are in self.ps (the adapter's tp_rank property)
+_GRAMMAR_BARRIER = {"0.5.17", "0.5.18"}  # forward_batch_generation's grammar_barrier
+# The write-after-read barrier: the spec worker's runner property and the model runner's event.
+_WAR = {"0.5.18": ("last_shared_read_runner", "shared_read_done_event")}
+_WAR_BEFORE = ("war_fastpath_runner", "war_fastpath_read_done_event")
 
 
 def _adapter_batch_fields(version: str) -> tuple[str, ...]:
@@ -480,15 +486,16 @@ def test_what_the_schedule_batch_fast_path_uses_exists_in_the_release(version: s
         eagle |= _self_attrs(_source(version, "srt/speculative/base_spec_worker.py"), "BaseSpecWorker")
         eagle |= {"req_to_token_pool"} if "self.req_to_token_pool = req_to_token_pool" in worker else set()
     rank = "ps" if variant in _RANKS_IN_PS else "tp_rank"
+    war_runner, war_event = _WAR.get(variant, _WAR_BEFORE)
     assert {"server_args", rank, "device", "speculative_num_draft_tokens", "req_to_token_pool",
-            "target_worker", "draft_worker", "war_fastpath_runner", "_stub_skipped_draft_extend"} <= eagle
+            "target_worker", "draft_worker", war_runner, "_stub_skipped_draft_extend"} <= eagle
     if rank == "ps":  # nothing of the release's own sets self.tp_rank, which the adapter makes a property
         assert "tp_rank" not in eagle
         assert "self.ps.tp_rank" in worker
     forward = _function(worker, "EAGLEWorkerV2", "forward_batch_generation")
     # 0.5.17 adds grammar_barrier, used only for batches with a grammar (which stay on verify)
     assert [a.arg for a in forward.args.args][:3] == ["self", "batch", "on_publish"]
-    assert [a.arg for a in forward.args.args][3:] == (["grammar_barrier"] if variant == "0.5.17" else [])
+    assert [a.arg for a in forward.args.args][3:] == (["grammar_barrier"] if variant in _GRAMMAR_BARRIER else [])
     assert "on_publish(batch_output.new_seq_lens)" in ast.unparse(forward)
     # a verify with accept length 1 returns these, which the disabled step mirrors
     verify = ast.unparse(_function(worker, "EAGLEWorkerV2", "verify"))
@@ -521,8 +528,8 @@ def test_what_the_schedule_batch_fast_path_uses_exists_in_the_release(version: s
         assert "RelayPayload.from_draft_input(batch_result.next_draft_input)" in relay
         assert "self.future_map.stash(future_indices, payload)" in relay
     barrier = ast.unparse(_function(scheduler, "Scheduler", "_apply_war_barrier"))
-    assert "runner = self.model_worker.war_fastpath_runner" in barrier
-    assert "ev = runner.war_fastpath_read_done_event" in barrier
+    assert f"runner = self.model_worker.{war_runner}" in barrier
+    assert f"ev = runner.{war_event}" in barrier
     assert "self.schedule_stream.wait_stream(self.forward_stream)" in barrier
     # the hand-over point: the collector exists before init_model_worker, which captures every graph
     init = ast.unparse(_function(scheduler, "Scheduler", "__init__"))
@@ -544,7 +551,7 @@ def test_what_the_schedule_batch_plain_decode_graphs_use_exists_in_the_release(v
     assert "def _get_attention_backend(self, init_new_workspace: bool = False):" in runner
     attrs = _self_attrs(runner, "ModelRunner")
     assert {"attn_backend", "decode_cuda_graph_runner", "spec_algorithm", "init_new_workspace", "model_config",
-            "war_fastpath_read_done_event"} <= attrs
+            _WAR.get(variant_for(version), _WAR_BEFORE)[1]} <= attrs
     if variant_for(version) in _RANKS_IN_PS:
         # the hybrid-model helpers left the runner: a getattr on it would find nothing and stop refusing
         assert not {"hybrid_gdn_config", "mamba2_config"} & attrs
@@ -582,8 +589,16 @@ def test_what_the_schedule_batch_plain_decode_graphs_use_exists_in_the_release(v
     assert "self.capture_bs" in init and "self.capture()" in init
     # a DECODE replay records the read-done event the WAR barrier may wait on
     execute = ast.unparse(_function(graphs, "DecodeCudaGraphRunner", "execute"))
-    assert "forward_batch.forward_mode.is_decode()" in execute
-    assert "self.model_runner.war_fastpath_read_done_event = read_done" in execute
+    if variant_for(version) in _WAR:
+        # from 0.5.18 every replay publishes where the attention backend declares its reads end
+        assert "shared_read_ends = self._resolve_shared_read_ends(" in execute
+        for where in ("PRE_REPLAY", "IN_REPLAY", "POST_REPLAY"):
+            assert f"if shared_read_ends is SharedReadEnds.{where}:" in execute
+        publish = ast.unparse(_function(graphs, "DecodeCudaGraphRunner", "_publish_read_done"))
+        assert "self.model_runner.shared_read_done_event = read_done" in publish
+    else:
+        assert "forward_batch.forward_mode.is_decode()" in execute
+        assert "self.model_runner.war_fastpath_read_done_event = read_done" in execute
 
     args = _dataclass_fields(_source(version, "srt/server_args.py"), "ServerArgs")
     assert {"speculative_algorithm", "disable_overlap_schedule", "speculative_eagle_topk", "enable_dp_attention",
