@@ -16,14 +16,14 @@ WORKER_METHODS = {"_skip_speculation", "_init_spec_disable", "_capture_spec_disa
                   "_spec_disable_plain_target", "_spec_disable_one_token_draft",
                   "_forward_batch_generation_no_spec", "_no_spec_draft_extend",
                   "_no_spec_bonus_tokens", "_no_spec_finish_result", "_no_spec_draft_context",
-                  "_no_spec_serves_logprobs"}
+                  "_no_spec_serves_logprobs", "_spec_disable_threshold", "_spec_disable_keeps_verify"}
 # sglang 0.5.14 on: one fragment, the draft skipped on disabled steps (no one-token draft-extend),
 # and per-release adapter methods.
 WORKER_METHODS_0_5_14 = {"_skip_speculation", "_init_spec_disable", "_capture_spec_disable_graphs",
                          "_spec_disable_plain_target", "_forward_batch_generation_no_spec",
                          "_spec_disable_threshold", "_spec_disable_keeps_recurrent_state",
                          "_spec_disable_target_decode", "_spec_disable_clear_read_done",
-                         "_spec_disable_hand_over_read_done"}
+                         "_spec_disable_hand_over_read_done", "_spec_disable_keeps_verify"}
 
 
 def takes_schedule_batch(variant: str) -> bool:
