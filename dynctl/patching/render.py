@@ -11,6 +11,7 @@ Each diff is against the release's wheel from PyPI (downloaded once into $DYNCTL
 from __future__ import annotations
 
 import argparse
+import fcntl
 import os
 import subprocess
 import sys
@@ -56,12 +57,28 @@ def wheel_cache() -> Path:
     return path
 
 
-def fetch_wheel(version: str, where: Path | None = None) -> Path:
-    """The sglang `version` wheel (no dependencies), downloaded from PyPI unless already in `where`."""
-    where = where or wheel_cache()
+def _cached(version: str, where: Path) -> Path | None:
     found = sorted(where.glob(f"sglang-{version}-*.whl"))
-    if found:
-        return found[0]
+    return found[0] if found else None
+
+
+def fetch_wheel(version: str, where: Path | None = None) -> Path:
+    """The sglang `version` wheel (no dependencies), downloaded from PyPI unless already in `where`.
+
+    Wheels of 0.5.11 and later are CPython 3.11 manylinux builds; their Python sources are what dynctl
+    needs, so the download asks for that platform explicitly and works from any interpreter.
+    """
+    where = where or wheel_cache()
+    if (hit := _cached(version, where)) is not None:
+        return hit
+    with open(where / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # parallel runs download each wheel once
+        if (hit := _cached(version, where)) is not None:
+            return hit
+        return _download(version, where)
+
+
+def _download(version: str, where: Path) -> Path:
     with tempfile.TemporaryDirectory(dir=where) as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
                "--python-version", "3.11", "--implementation", "cp",
