@@ -34,7 +34,7 @@ FEATURE_TOKENS = (
 @dataclass(frozen=True)
 class Insertion:
     what: str  # said in refusals: "the speculative_num_draft_tokens field"
-    fragment: str  # file name under patches/fragments/
+    fragment: str  # a file of patches/fragments/, or a joined fragment of patches/variants.toml
     anchor: str = ""  # exact text, starting at a line start, that must occur exactly once
     before: bool = False  # insert before the anchor instead of after it
     at_end: bool = False  # append at the end of the file (anchor unused)
