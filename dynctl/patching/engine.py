@@ -89,7 +89,7 @@ class Plan:
 
 def TARGET_FILES(version: str) -> list[str]:
     """Relative paths (under the sglang package dir) the strategy for `version` touches."""
-    return target_files() if strategy_for(version) == "patch" else []
+    return target_files(variant_for(version)) if strategy_for(version) == "patch" else []
 
 
 # --------------------------------------------------------------------------- text surgery
@@ -241,7 +241,7 @@ def plan_patch(
             file=todo[0],
         )
     changes = tuple(
-        FileChange(path, originals.get(path), new_texts[path]) for path in target_files()
+        FileChange(path, originals.get(path), new_texts[path]) for path in target_files(variant)
     )
     return Plan(version, variant, "ready", changes, leftover=leftover)
 

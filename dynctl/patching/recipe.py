@@ -131,6 +131,9 @@ def recipes(variant: str) -> tuple[FileRecipe, ...]:
     )
 
 
-def target_files() -> list[str]:
-    """Files the patch strategy touches, relative to the sglang package directory."""
-    return [SERVER_ARGS, SCHEDULER, EAGLE_WORKER, NEW_MODULE]
+def target_files(variant: str | None = None) -> list[str]:
+    """Files the patch touches, relative to the sglang package directory: those of `variant`, or of
+    any variant (what a host is asked for before its release is known), dynctl's own module last."""
+    names = [variant] if variant is not None else list(table()["variants"])
+    paths = dict.fromkeys(recipe.path for name in names for recipe in recipes(name))
+    return [*paths, NEW_MODULE]
