@@ -15,8 +15,9 @@ from dynctl.errors import ConfigError, UsageError
 DEFAULT_LAUNCH = ("{python}", "-m", "sglang.launch_server")
 DEFAULT_KEEP_HISTORY = 20  # finished releases and operation records a host keeps in its workdir
 LOCAL_HOST = "local"
-# A host's `strategy`: "auto" patches sglang where dynctl has a patch variant for the release and
-# passes the native adaptive config elsewhere; "patch" and "native" insist on one.
+# A host's `strategy`: "auto" patches sglang where dynctl has a patch variant for the release that was
+# measured on a GPU and passes the native adaptive config elsewhere; "patch" and "native" insist on one
+# ("patch" also takes a variant that was not measured on a GPU).
 STRATEGIES = ("auto", "patch", "native")
 _HOST_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _HOME_PATH = re.compile(r"^~[A-Za-z0-9_.-]*(/|$)")  # ~, ~/x, ~user/x: a home on the host

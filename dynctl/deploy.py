@@ -18,6 +18,7 @@ from dynctl.native import plan_native
 from dynctl.patching import parse_threshold, plan_patch, strategy_for
 from dynctl.patching.host import patch_state_from, plan_for_apply, read_patch_state
 from dynctl.patching.recipe import target_files
+from dynctl.patching.versions import unmeasured_note
 
 THRESHOLD_FLAG = sglang.THRESHOLD_FLAG
 BASELINE = "baseline"  # the rollback target that means: no release, the configured launch argv
@@ -95,6 +96,8 @@ def plan_deploy(agent: AgentClient, host: HostConfig, threshold: Any) -> DeployP
         argv = server_argv(host, [THRESHOLD_FLAG, str(threshold)])
         dplan = DeployPlan(host, state.version, strategy, threshold, files, plan.diff(), argv, baseline,
                            patch_detail=plan.message)
+        if (note := unmeasured_note(state.version)) is not None:
+            dplan.warnings.append(note)
     else:
         native = plan_native(threshold, args=host.args, config_path="{release_dir}/" + ADAPTIVE_CONFIG)
         artifacts = {ADAPTIVE_CONFIG: native.config_json} if native.config_json else {}

@@ -103,8 +103,10 @@ def classify_sglang(version: str | None, installed: bool, preference: str = "aut
     if not version:
         return "unsupported", "sglang is installed but its version could not be read"
     from dynctl.patching import strategy_for
+    from dynctl.patching.versions import strategy_note
 
     try:
-        return strategy_for(version, preference), None
+        strategy = strategy_for(version, preference)
+        return strategy, strategy_note(version, strategy)
     except DynctlError as err:
         return "unsupported", str(err)

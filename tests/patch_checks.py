@@ -8,6 +8,7 @@ import builtins
 from dynctl.patching.engine import _unapply_recipe
 from dynctl.patching.recipe import recipes
 from dynctl.patching.versions import variant_for
+from dynctl.sglang import parse_version
 
 FLAG = "--speculative-disable-batch-threshold"
 FIELD = "speculative_disable_batch_threshold"
@@ -15,14 +16,24 @@ WORKER_METHODS = {"_skip_speculation", "_init_spec_disable", "_capture_spec_disa
                   "_spec_disable_plain_target", "_spec_disable_one_token_draft",
                   "_forward_batch_generation_no_spec", "_no_spec_draft_extend",
                   "_no_spec_bonus_tokens", "_no_spec_finish_result", "_no_spec_draft_context",
-                  "_no_spec_serves_logprobs", "_no_spec_result_tokens", "_spec_disable_decide_early"}
-# sglang 0.5.14: one fragment, the draft skipped on disabled steps (no one-token draft-extend).
+                  "_no_spec_serves_logprobs", "_spec_disable_threshold", "_spec_disable_keeps_verify",
+                  "_no_spec_result_tokens", "_spec_disable_decide_early"}
+# sglang 0.5.14 on: one fragment, the draft skipped on disabled steps (no one-token draft-extend),
+# and per-release adapter methods.
 WORKER_METHODS_0_5_14 = {"_skip_speculation", "_init_spec_disable", "_capture_spec_disable_graphs",
-                         "_spec_disable_plain_target", "_forward_batch_generation_no_spec"}
+                         "_spec_disable_plain_target", "_forward_batch_generation_no_spec",
+                         "_spec_disable_threshold", "_spec_disable_keeps_recurrent_state",
+                         "_spec_disable_target_decode", "_spec_disable_clear_read_done",
+                         "_spec_disable_hand_over_read_done", "_spec_disable_keeps_verify"}
+
+
+def takes_schedule_batch(variant: str) -> bool:
+    """Variants of the releases whose worker takes the ScheduleBatch (0.5.14 and later)."""
+    return parse_version(variant) >= (0, 5, 14)
 
 
 def worker_methods(variant: str) -> set[str]:
-    return WORKER_METHODS_0_5_14 if variant == "0.5.14" else WORKER_METHODS
+    return WORKER_METHODS_0_5_14 if takes_schedule_batch(variant) else WORKER_METHODS
 
 
 def _class(tree: ast.Module, name: str) -> ast.ClassDef:
@@ -45,16 +56,31 @@ def check_server_args(text: str, variant: str = "0.5.12") -> None:
     field = fields[FIELD]
     assert isinstance(field.value, ast.Constant) and field.value.value is None
     post_init = ast.unparse(_method(cls, "__post_init__"))
-    assert "check_threshold_args(self)" in post_init
-    if variant == "0.5.14":
+    # from 0.5.15 model overrides declare settings that reach the fields at the end of __post_init__
+    # (materialize_declarations): the startup check reads through resolved_view until then
+    declared = parse_version(variant) >= (0, 5, 15)
+    check = "check_threshold_args(resolved_view(self))" if declared else "check_threshold_args(self)"
+    if check not in post_init:
+        # from 0.5.18 __post_init__ runs an ordered pipeline method, which holds the check
+        pipeline = [n for n in cls.body if isinstance(n, ast.FunctionDef)
+                    and check in ast.unparse(n)]
+        assert len(pipeline) == 1 and f"self.{pipeline[0].name}()" in post_init
+        post_init = ast.unparse(pipeline[0])
+    assert check in post_init
+    if declared:
+        assert post_init.index(check) < post_init.index("materialize_declarations(self)")
+    if takes_schedule_batch(variant):
         # the command line is derived from the annotation: Optional[int] gives type=int, the help text
         # is the string (sglang's own arg_utils, exercised in test_patching)
         annotation = field.annotation
         assert isinstance(annotation, ast.Subscript) and ast.unparse(annotation.value) == "A"
-        inner, help_text = annotation.slice.elts
+        inner, help_text, *markers = annotation.slice.elts
         assert ast.unparse(inner) == "Optional[int]"
         assert isinstance(help_text, ast.Constant) and "more than N requests" in help_text.value
-        assert post_init.index("handle_speculative_decoding(self)") < post_init.index("check_threshold_args(self)")
+        # where fields carry a namespace marker (0.5.17: NS("spec")), ours has the one of its neighbour
+        neighbour = fields["speculative_num_draft_tokens"].annotation.slice.elts[2:]
+        assert [ast.unparse(m) for m in markers] == [ast.unparse(m) for m in neighbour]
+        assert post_init.index("handle_speculative_decoding(self)") < post_init.index(check)
         return
     assert ast.unparse(field.annotation) == "Optional[int]"
     calls = [n for n in ast.walk(_method(cls, "add_cli_args")) if isinstance(n, ast.Call)
@@ -65,7 +91,7 @@ def check_server_args(text: str, variant: str = "0.5.12") -> None:
     assert kwargs["type"] == "int"
     assert kwargs["default"] == f"ServerArgs.{FIELD}"
     assert "help" in kwargs
-    assert post_init.index("_handle_speculative_decoding()") < post_init.index("check_threshold_args(self)")
+    assert post_init.index("_handle_speculative_decoding()") < post_init.index(check)
 
 
 def check_scheduler(text: str) -> None:
@@ -92,7 +118,7 @@ def check_eagle_worker(text: str, variant: str = "0.5.12") -> None:
     wanted = worker_methods(variant)
     assert wanted <= methods, f"missing methods: {wanted - methods}"
     first = _method(cls, "forward_batch_generation").body[0]
-    if variant == "0.5.14":
+    if takes_schedule_batch(variant):
         assert isinstance(first, ast.If) and ast.unparse(first.test) == "self._skip_speculation(batch)"
         assert ast.unparse(first.body[0]) == "return self._forward_batch_generation_no_spec(batch, on_publish)"
     else:

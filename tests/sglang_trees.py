@@ -4,22 +4,19 @@
     install_sglang("0.5.9", tmp_path / "site") -> tmp_path / "site" / "sglang"
     install_sglang("0.5.9", tmp_path / "site", only=["sglang/srt/speculative/"])  # a few files, fast
 
-The cache is $DYNCTL_TEST_CACHE, else <repo>/.cache/sglang (gitignored). Wheels of 0.5.11 and later
-are CPython 3.11 manylinux builds; their Python sources are what the tests need, so the download
-asks for that platform explicitly and works from any interpreter.
+The cache is $DYNCTL_TEST_CACHE, else <repo>/.cache/sglang (gitignored); the download is
+dynctl.patching.render.fetch_wheel's.
 """
 
 from __future__ import annotations
 
-import fcntl
 import os
 import shutil
-import subprocess
-import sys
-import tempfile
 import zipfile
 from collections.abc import Sequence
 from pathlib import Path
+
+from dynctl.patching.render import fetch_wheel
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -30,33 +27,10 @@ def cache_dir() -> Path:
     return path
 
 
-def _cached(version: str, where: Path) -> Path | None:
-    found = sorted(where.glob(f"sglang-{version}-*.whl"))
-    return found[0] if found else None
-
-
 def sglang_wheel(version: str) -> Path:
-    """The sglang `version` wheel from PyPI, downloaded once into the cache."""
-    where = cache_dir()
-    if (hit := _cached(version, where)) is not None:
-        return hit
-    with open(where / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # parallel test runs download each wheel once
-        if (hit := _cached(version, where)) is not None:
-            return hit
-        with tempfile.TemporaryDirectory(dir=where) as tmp:
-            cmd = [
-                sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                "--python-version", "3.11", "--implementation", "cp",
-                "--platform", "manylinux_2_34_x86_64", "--platform", "any",
-                "--disable-pip-version-check", "--quiet", "--dest", tmp, f"sglang=={version}",
-            ]
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
-            wheels = list(Path(tmp).glob(f"sglang-{version}-*.whl"))
-            if proc.returncode != 0 or not wheels:
-                raise RuntimeError(f"pip download sglang=={version} failed: {proc.stderr.strip()[-800:]}")
-            os.replace(wheels[0], where / wheels[0].name)
-            return where / wheels[0].name
+    """The sglang `version` wheel from PyPI, downloaded once into the cache (as `python -m
+    dynctl.patching.render` fetches it)."""
+    return fetch_wheel(version, cache_dir())
 
 
 def install_sglang(version: str, target_dir: Path, only: Sequence[str] | None = None) -> Path:

@@ -69,7 +69,7 @@ class Box:
 def _files(version: str) -> list[str]:
     """The files the patch of `version` changes; for a release it cannot patch, every file it may touch."""
     try:
-        return TARGET_FILES(version) or target_files()
+        return target_files(variant_for(version))
     except PreflightError:
         return target_files()
 
@@ -84,11 +84,12 @@ PATCH_SUBTREE = ("sglang/srt/server_args.py", "sglang/srt/managers/", "sglang/sr
 
 @pytest.fixture
 def make_box(tmp_path: Path):
-    def make(version: str, name: str = "box", whole: bool = False) -> Box:
+    def make(version: str, name: str = "box", whole: bool = False, strategy: str = "auto") -> Box:
         site = tmp_path / f"site-{name}"
         package = install_sglang(version, site, only=None if whole else PATCH_SUBTREE)
         workdir = tmp_path / f"wd-{name}"
-        host = HostConfig(name=name, python=sys.executable, workdir=str(workdir), env={"PYTHONPATH": str(site)})
+        host = HostConfig(name=name, python=sys.executable, workdir=str(workdir), env={"PYTHONPATH": str(site)},
+                          strategy=strategy)
         box = Box(version, site, package, workdir, AgentClient(Local(), host), {})
         box.pristine = box.hashes()
         return box
@@ -102,6 +103,24 @@ def _compile_cached(path: Path) -> Path:
 
 
 # --------------------------------------------------------------------------- the round trip, every version
+
+
+@pytest.mark.parametrize("version", ["0.5.15", "0.5.15.post1", "0.5.16", "0.5.17", "0.5.18"])
+def test_unmeasured_variants_round_trip_with_strategy_patch(make_box, version: str, tmp_path: Path) -> None:
+    """Variants not measured on a GPU apply and revert byte for byte when the host asks for the patch."""
+    assert read_patch_state(make_box(version, name="auto").agent).strategy == "native"
+    box = make_box(version, strategy="patch")
+    state = read_patch_state(box.agent)
+    assert (state.strategy, state.status) == ("patch", "not applied")
+    assert f"patch not measured on a GPU for sglang {version}" in state.detail
+    result = apply_plan(box.agent, plan_for_apply(state), threshold=5)
+    texts = {rel: box.path(rel).read_text() for rel in _files(version)}
+    for rel, text in texts.items():
+        compile(text, rel, "exec")
+    check_all(texts, variant_for(version))
+    assert read_patch_state(box.agent).status == "applied"
+    assert box.agent.call("patch_revert")["reverted"][0]["release"] == result["release"]
+    assert box.hashes() == box.pristine
 
 
 @pytest.mark.parametrize("version", PATCH_VERSIONS)

@@ -9,7 +9,7 @@ import zipfile
 from functools import cache
 
 import pytest
-from patch_checks import check_all, unpatched_text
+from patch_checks import check_all, takes_schedule_batch, unpatched_text
 from sglang_trees import sglang_wheel
 
 from dynctl.errors import PreflightError, UsageError
@@ -24,11 +24,11 @@ from dynctl.patching import (
     strategy_for,
     variant_for,
 )
-from dynctl.patching.recipe import NEW_MODULE, SERVER_ARGS
+from dynctl.patching.recipe import NEW_MODULE, SERVER_ARGS, recipes, target_files
 
 PATCH_VERSIONS = ["0.5.6", "0.5.7", "0.5.8", "0.5.9", "0.5.10", "0.5.11", "0.5.12"]
 # Releases whose worker takes a ScheduleBatch (their own contract tests below).
-SCHEDULE_BATCH_VERSIONS = ["0.5.14"]
+SCHEDULE_BATCH_VERSIONS = ["0.5.14", "0.5.15", "0.5.15.post1", "0.5.16", "0.5.17", "0.5.18"]
 
 
 @cache
@@ -41,7 +41,7 @@ def wheel_text(version: str, path: str) -> str | None:
 
 
 def originals(version: str) -> dict[str, str | None]:
-    return {path: wheel_text(version, path) for path in TARGET_FILES(version)}
+    return {path: wheel_text(version, path) for path in target_files()}
 
 
 def record(version: str) -> dict[str, str]:
@@ -65,7 +65,7 @@ def test_plan_applies_compiles_and_is_idempotent(version: str) -> None:
     before = originals(version)
     plan = plan_patch(version, before, record=record(version))
     assert plan.status == "ready"
-    assert [c.path for c in plan.changes] == TARGET_FILES(version)
+    assert [c.path for c in plan.changes] == target_files(variant_for(version))
     after = {c.path: c.after for c in plan.changes}
     for path, text in after.items():
         compile(text, path, "exec")  # what py_compile does on the host
@@ -79,7 +79,7 @@ def test_plan_applies_compiles_and_is_idempotent(version: str) -> None:
     assert again.status == "applied" and again.changes == ()
     assert "already applied, intact" in again.message
     # the patch only inserts: taking it out gives the original bytes back
-    for path in TARGET_FILES(version):
+    for path in target_files(variant_for(version)):
         if path != NEW_MODULE:
             assert unpatched_text(version, path, after[path]) == before[path]
 
@@ -92,7 +92,7 @@ def test_the_diff_is_a_unified_diff_of_insertions(version: str) -> None:
     assert f"--- /dev/null\n+++ b/sglang/{NEW_MODULE}" in diff
     removed = [ln for ln in diff.splitlines() if ln.startswith("-") and not ln.startswith("---")]
     assert removed == []  # insertions only
-    if variant_for(version) == "0.5.14":  # the command line comes from the annotated field
+    if takes_schedule_batch(variant_for(version)):  # the command line comes from the annotated field
         assert "+    speculative_disable_batch_threshold: A[\n" in diff
     else:
         assert '+            "--speculative-disable-batch-threshold",' in diff
@@ -102,7 +102,10 @@ def test_variants_follow_the_release_matrix() -> None:
     assert [variant_for(v) for v in PATCH_VERSIONS] == ["0.5.6", "0.5.7", "0.5.8", "0.5.8", "0.5.8", "0.5.8", "0.5.12"]
     assert variant_for("0.5.12.post1") == "0.5.12"
     assert variant_for("0.5.14") == variant_for("0.5.14.post1") == "0.5.14"
-    for version in ("0.5.15", "0.5.23", "0.5.13", "0.5.5"):
+    assert variant_for("0.5.15") == variant_for("0.5.15.post1") == variant_for("0.5.15.post2") == "0.5.15"
+    assert [variant_for(v) for v in ("0.5.16", "0.5.17")] == ["0.5.16", "0.5.17"]
+    assert variant_for("0.5.18") == "0.5.18"
+    for version in ("0.5.19", "0.5.23", "0.5.13", "0.5.5"):
         with pytest.raises(PreflightError):
             variant_for(version)
 
@@ -370,6 +373,9 @@ def test_thresholds_refused_with_usage_errors(value: object, message: str) -> No
     ("0.5.14", "auto", "patch"), ("0.5.14", "patch", "patch"), ("0.5.14", "native", "native"),
     ("0.5.12", "patch", "patch"), ("0.5.6", "auto", "patch"), ("0.5.23", "native", "native"),
     ("0.5.23", "auto", "native"),
+    # variants not measured on a GPU: "auto" stays native, "patch" takes them
+    ("0.5.15", "auto", "native"), ("0.5.15", "patch", "patch"), ("0.5.15.post1", "patch", "patch"),
+    ("0.5.16", "patch", "patch"), ("0.5.17", "auto", "native"), ("0.5.17", "patch", "patch"),
 ])
 def test_the_host_strategy_key_picks_where_a_release_allows_both(version: str, preference: str, strategy: str) -> None:
     assert strategy_for(version, preference) == strategy
@@ -378,8 +384,8 @@ def test_the_host_strategy_key_picks_where_a_release_allows_both(version: str, p
 @pytest.mark.parametrize(("version", "preference", "why"), [
     ("0.5.12", "native", 'strategy = "native" cannot serve sglang 0.5.12: the native strategy needs'),
     ("0.5.6.post1", "native", "from sglang 0.5.14"),
-    ("0.5.15", "patch", 'strategy = "patch" cannot serve sglang 0.5.15: dynctl has no patch variant'),
-    ("0.5.23", "patch", "variants: 0.5.6, 0.5.7, 0.5.8, 0.5.12, 0.5.14"),
+    ("0.5.19", "patch", 'strategy = "patch" cannot serve sglang 0.5.19: dynctl has no patch variant'),
+    ("0.5.23", "patch", "variants: 0.5.6, 0.5.7, 0.5.8, 0.5.12, 0.5.14, 0.5.15, 0.5.16, 0.5.17, 0.5.18"),
     ("0.5.13", "native", "sglang 0.5.13 is not supported"),
 ])
 def test_a_strategy_the_release_cannot_take_is_refused(version: str, preference: str, why: str) -> None:
@@ -404,26 +410,58 @@ def _function(text: str, cls_name: str | None, name: str) -> ast.FunctionDef:
     return next(n for n in ast.walk(scope) if isinstance(n, ast.FunctionDef) and n.name == name)
 
 
+# Where each release keeps what the ScheduleBatch fast path reads (the adapter fragments follow these).
+_CACHE_LOCS = {"0.5.14": "srt/speculative/triton_ops/cache_locs.py", "0.5.15": "srt/speculative/triton_ops/cache_locs.py",
+               "0.5.16": "kernels/ops/speculative/cache_locs.py", "0.5.17": "kernels/ops/speculative/cache_locs.py",
+               "0.5.18": "kernels/ops/speculative/cache_locs.py"}
+_CAPTURE_MODE_KEYWORD = {"0.5.16", "0.5.17", "0.5.18"}  # ScheduleBatch lost capture_hidden_mode: a forward keyword
+_RANKS_IN_PS = {"0.5.16", "0.5.17", "0.5.18"}  # the worker's ranks are in self.ps (the adapter's tp_rank property)
+_GRAMMAR_BARRIER = {"0.5.17", "0.5.18"}  # forward_batch_generation's grammar_barrier
+# The write-after-read barrier: the spec worker's runner property and the model runner's event.
+_WAR = {"0.5.18": ("last_shared_read_runner", "shared_read_done_event")}
+_WAR_BEFORE = ("war_fastpath_runner", "war_fastpath_read_done_event")
+
+
+def _adapter_batch_fields(version: str) -> tuple[str, ...]:
+    """The ScheduleBatch fields the variant's adapter says the step changes (and restores)."""
+    adapter = next(ins for recipe in recipes(variant_for(version)) for ins in recipe.insertions
+                   if ins.fragment.startswith("eagle_worker_v2.adapt-"))
+    cls = ast.parse("class Adapter:\n" + adapter.text).body[0]
+    node = next(n for n in cls.body if isinstance(n, ast.Assign) and n.targets[0].id == "_SPEC_DISABLE_BATCH_FIELDS")
+    return tuple(ast.literal_eval(node.value))
+
+
 @pytest.mark.parametrize("version", SCHEDULE_BATCH_VERSIONS)
 def test_what_the_schedule_batch_fast_path_uses_exists_in_the_release(version: str) -> None:
-    """Every field, attribute and helper the 0.5.14 plain-decode step touches is there, used as it expects."""
+    """Every field, attribute and helper the 0.5.14+ plain-decode step touches is there, used as it expects."""
+    variant = variant_for(version)
     sb = _dataclass_fields(_source(version, "srt/managers/schedule_batch.py"), "ScheduleBatch")
-    assert {"forward_mode", "input_ids", "req_pool_indices", "seq_lens", "seq_lens_cpu", "seq_lens_sum",
-            "seq_lens_cpu_cache", "out_cache_loc", "spec_info", "capture_hidden_mode", "has_grammar",
-            "return_logprob", "return_hidden_states", "is_extend_in_batch"} <= sb
-    # ForwardBatch is built from the ScheduleBatch: a set capture_hidden_mode overrides the derived one, a
+    fields = set(_adapter_batch_fields(version))
+    assert {"forward_mode", "input_ids", "seq_lens", "seq_lens_cpu", "seq_lens_sum", "out_cache_loc",
+            "spec_info"} <= fields
+    assert fields | {"req_pool_indices", "has_grammar", "return_logprob", "return_hidden_states",
+                     "is_extend_in_batch"} <= sb
+    keyword = variant in _CAPTURE_MODE_KEYWORD
+    assert ("capture_hidden_mode" in sb) is (not keyword) and ("seq_lens_cpu_cache" in sb) is (not keyword)
+    # ForwardBatch is built from the ScheduleBatch: a given capture_hidden_mode overrides the derived one, a
     # seq_lens_cpu_cache overrides seq_lens_cpu (cleared by the step), and DECODE positions are seq_lens - 1
     fbi = _source(version, "srt/model_executor/forward_batch_info.py")
     init_new = ast.unparse(_function(fbi, "ForwardBatch", "init_new"))
-    for used in ("capture_hidden_mode = batch.capture_hidden_mode", "if capture_hidden_mode is None:",
-                 "seq_lens_cpu = seq_lens_cpu_cache", "seq_lens_cpu = batch.seq_lens_cpu",
+    for used in ("if capture_hidden_mode is None:", "seq_lens_cpu = batch.seq_lens_cpu",
                  "ret.positions = clamp_position(batch.seq_lens)", "input_ids=batch.input_ids",
-                 "out_cache_loc=batch.out_cache_loc", "spec_info=batch.spec_info"):
+                 "out_cache_loc=batch.out_cache_loc", "spec_info=batch.spec_info",
+                 *(() if keyword else ("capture_hidden_mode = batch.capture_hidden_mode",
+                                       "seq_lens_cpu = seq_lens_cpu_cache"))):
         assert used in init_new, used
-    tp = ast.unparse(_function(_source(version, "srt/managers/tp_worker.py"), "TpModelWorker",
-                               "forward_batch_generation"))
-    assert "forward_batch = ForwardBatch.init_new(batch, self.model_runner)" in tp
-    assert "batch_result.next_token_ids = self.model_runner.sample(logits_output, forward_batch)" in tp
+    tp_node = _function(_source(version, "srt/managers/tp_worker.py"), "TpModelWorker", "forward_batch_generation")
+    tp = ast.unparse(tp_node)
+    if keyword:
+        assert "capture_hidden_mode" in [a.arg for a in tp_node.args.kwonlyargs]
+        assert "ForwardBatch.init_new(batch, self.model_runner, capture_hidden_mode=capture_hidden_mode" in tp
+        assert "batch_result.next_token_ids = self.model_runner.sample(" in tp
+    else:
+        assert "forward_batch = ForwardBatch.init_new(batch, self.model_runner)" in tp
+        assert "batch_result.next_token_ids = self.model_runner.sample(logits_output, forward_batch)" in tp
 
     result = _dataclass_fields(_source(version, "srt/managers/utils.py"), "GenerationBatchResult")
     assert {"logits_output", "next_token_ids", "can_run_cuda_graph", "accept_lens", "new_seq_lens",
@@ -435,23 +473,41 @@ def test_what_the_schedule_batch_fast_path_uses_exists_in_the_release(version: s
     assert "stride = result.speculative_num_draft_tokens" in processor
     assert "accept_tokens = next_token_ids[i * stride : i * stride + accept_lens[i]]" in processor
 
-    info_v2 = _source(version, "srt/speculative/eagle_info_v2.py")
-    assert "assign_extend_cache_locs_func as assign_extend_cache_locs_func" in info_v2
-    func = _function(_source(version, "srt/speculative/triton_ops/cache_locs.py"), None,
-                     "assign_extend_cache_locs_func")
+    if variant == "0.5.14":  # the module the 0.5.14 variant imports it from
+        info_v2 = _source(version, "srt/speculative/eagle_info_v2.py")
+        assert "assign_extend_cache_locs_func as assign_extend_cache_locs_func" in info_v2
+    else:
+        assert wheel_text(version, "srt/speculative/eagle_info_v2.py") is None
+    func = _function(_source(version, _CACHE_LOCS[variant]), None, "assign_extend_cache_locs_func")
     assert [a.arg for a in func.args.args] == ["req_pool_indices", "req_to_token", "start_offset", "end_offset",
                                                "batch_size", "draft_token_num", "device"]
     assert "def record_stream_each(tensors, stream):" in _source(version, "srt/speculative/spec_utils.py")
 
     worker = _source(version, "srt/speculative/eagle_worker_v2.py")
     eagle = _self_attrs(worker, "EAGLEWorkerV2")
-    assert {"server_args", "tp_rank", "device", "speculative_num_draft_tokens", "req_to_token_pool",
-            "target_worker", "draft_worker", "war_fastpath_runner", "_stub_skipped_draft_extend"} <= eagle
+    if variant in _RANKS_IN_PS:  # from 0.5.16 the workers are properties of BaseSpecWorker
+        eagle |= _self_attrs(_source(version, "srt/speculative/base_spec_worker.py"), "BaseSpecWorker")
+        eagle |= {"req_to_token_pool"} if "self.req_to_token_pool = req_to_token_pool" in worker else set()
+    rank = "ps" if variant in _RANKS_IN_PS else "tp_rank"
+    war_runner, war_event = _WAR.get(variant, _WAR_BEFORE)
+    assert {"server_args", rank, "device", "speculative_num_draft_tokens", "req_to_token_pool",
+            "target_worker", "draft_worker", war_runner, "_stub_skipped_draft_extend"} <= eagle
+    if rank == "ps":  # nothing of the release's own sets self.tp_rank, which the adapter makes a property
+        assert "tp_rank" not in eagle
+        assert "self.ps.tp_rank" in worker
     forward = _function(worker, "EAGLEWorkerV2", "forward_batch_generation")
-    assert [a.arg for a in forward.args.args] == ["self", "batch", "on_publish"]
+    # 0.5.17 adds grammar_barrier, used only for batches with a grammar (which stay on verify)
+    assert [a.arg for a in forward.args.args][:3] == ["self", "batch", "on_publish"]
+    assert [a.arg for a in forward.args.args][3:] == (["grammar_barrier"] if variant in _GRAMMAR_BARRIER else [])
     assert "on_publish(batch_output.new_seq_lens)" in ast.unparse(forward)
     # a verify with accept length 1 returns these, which the disabled step mirrors
     verify = ast.unparse(_function(worker, "EAGLEWorkerV2", "verify"))
+    if variant in _RANKS_IN_PS:  # from 0.5.16 verify is run_eagle_verify, given the worker's D
+        assert "num_draft_tokens=self.speculative_num_draft_tokens" in verify
+        verify = ast.unparse(_function(_source(version, "srt/speculative/eagle_worker_common.py"), None,
+                                       "run_eagle_verify"))
+        verify = verify.replace("speculative_num_draft_tokens=num_draft_tokens",
+                                "speculative_num_draft_tokens=self.speculative_num_draft_tokens")
     for used in ("next_token_ids=predict", "speculative_num_draft_tokens=self.speculative_num_draft_tokens",
                  "accept_lens=accept_lens", "new_seq_lens=new_seq_lens",
                  "next_draft_input = EagleDraftInput(bonus_tokens=bonus_tokens)"):
@@ -465,15 +521,27 @@ def test_what_the_schedule_batch_fast_path_uses_exists_in_the_release(version: s
     # barrier waits on the spec worker's runner's read-done event, else on the whole forward
     scheduler = _source(version, "srt/managers/scheduler.py")
     run_batch = ast.unparse(_function(scheduler, "Scheduler", "run_batch"))
-    assert "'on_publish': partial(self.future_map.publish, future_indices)" in run_batch
-    assert "self.future_map.stash(future_indices, stash_payload)" in run_batch
+    assert ("'on_publish': partial(self.future_map.publish, future_indices)" in run_batch
+            or "fwd_kwargs['on_publish'] = partial(self.future_map.publish, future_indices)" in run_batch)
+    if variant == "0.5.14":
+        assert "self.future_map.stash(future_indices, stash_payload)" in run_batch
+    else:  # from 0.5.15 through a helper that relays every field of next_draft_input
+        assert "self._relay_forward_payload(future_indices, batch_result)" in run_batch
+        relay = ast.unparse(_function(scheduler, "Scheduler", "_relay_forward_payload"))
+        assert "RelayPayload.from_draft_input(batch_result.next_draft_input)" in relay
+        assert "self.future_map.stash(future_indices, payload)" in relay
     barrier = ast.unparse(_function(scheduler, "Scheduler", "_apply_war_barrier"))
-    assert "runner = self.model_worker.war_fastpath_runner" in barrier
-    assert "ev = runner.war_fastpath_read_done_event" in barrier
+    assert f"runner = self.model_worker.{war_runner}" in barrier
+    assert f"ev = runner.{war_event}" in barrier
     assert "self.schedule_stream.wait_stream(self.forward_stream)" in barrier
     # the hand-over point: the collector exists before init_model_worker, which captures every graph
     init = ast.unparse(_function(scheduler, "Scheduler", "__init__"))
-    assert init.index("self.metrics_collector = ") < init.index("self.init_model_worker()")
+    if variant == "0.5.14":
+        assert init.index("self.metrics_collector = ") < init.index("self.init_model_worker()")
+    else:  # from 0.5.15 in a method of its own, called first
+        assert init.index("self.init_metrics_collector(") < init.index("self.init_model_worker()")
+        setup = ast.unparse(_function(scheduler, "Scheduler", "init_metrics_collector"))
+        assert "self.metrics_collector = " in setup
     model_worker = ast.unparse(_function(scheduler, "Scheduler", "init_model_worker"))
     assert "self.init_all_cuda_graphs()" in model_worker and "self.maybe_init_draft_worker()" in model_worker
     collector = _source(version, "srt/observability/metrics_collector.py")
@@ -484,14 +552,30 @@ def test_what_the_schedule_batch_fast_path_uses_exists_in_the_release(version: s
 def test_what_the_schedule_batch_plain_decode_graphs_use_exists_in_the_release(version: str) -> None:
     runner = _source(version, "srt/model_executor/model_runner.py")
     assert "def _get_attention_backend(self, init_new_workspace: bool = False):" in runner
-    assert {"attn_backend", "decode_cuda_graph_runner", "spec_algorithm", "init_new_workspace", "tp_size",
-            "war_fastpath_read_done_event", "hybrid_gdn_config", "mamba2_config"} <= _self_attrs(runner, "ModelRunner")
+    attrs = _self_attrs(runner, "ModelRunner")
+    assert {"attn_backend", "decode_cuda_graph_runner", "spec_algorithm", "init_new_workspace", "model_config",
+            _WAR.get(variant_for(version), _WAR_BEFORE)[1]} <= attrs
+    if variant_for(version) in _RANKS_IN_PS:
+        # the hybrid-model helpers left the runner: a getattr on it would find nothing and stop refusing
+        assert not {"hybrid_gdn_config", "mamba2_config"} & attrs
+        hybrid = _function(_source(version, "srt/configs/hybrid_arch.py"), None, "mambaish_config")
+        assert [a.arg for a in hybrid.args.args] == ["model_config"]
+        assert "hybrid_gdn_config(model_config)" in ast.unparse(hybrid) and "mamba2_config(model_config)" in ast.unparse(hybrid)
+    else:  # properties: the adapter compares their values with None
+        for name in ("hybrid_gdn_config", "mamba2_config"):
+            prop = _function(runner, "ModelRunner", name)
+            assert [ast.unparse(d) for d in prop.decorator_list] == ["property"], name
     forward = ast.unparse(_function(runner, "ModelRunner", "_forward_raw"))
     # None makes the step eager; the graphs are picked by batch size, not by forward mode
     assert "self.decode_cuda_graph_runner and self.decode_cuda_graph_runner.can_run_graph(forward_batch)" in forward
     assert "self.decode_cuda_graph_runner.execute(" in forward
     # without CUDA graphs the decode runner is the eager runner (why arming checks the class)
-    assert "self.decode_cuda_graph_runner = self.eager_runner" in runner
+    if variant_for(version) in _RANKS_IN_PS:
+        graph_setup = _source(version, "srt/model_executor/model_runner_components/cuda_graph_setup.py")
+        assert "self.decode_cuda_graph_runner = capture.decode.runner" in runner
+        assert "eager_runner = EagerRunner(model_runner)" in graph_setup and "runner=eager_runner," in graph_setup
+    else:
+        assert "self.decode_cuda_graph_runner = self.eager_runner" in runner
     assert "class EagerRunner(BaseRunner):" in _source(version, "srt/model_executor/runner/eager_runner.py")
     assert "return cls.NONE" in _source(version, "srt/speculative/spec_info.py")
     assert "from sglang.srt.model_executor.runner import (\n    DecodeCudaGraphRunner," in _source(
@@ -510,8 +594,16 @@ def test_what_the_schedule_batch_plain_decode_graphs_use_exists_in_the_release(v
     assert "self.capture_bs" in init and "self.capture()" in init
     # a DECODE replay records the read-done event the WAR barrier may wait on
     execute = ast.unparse(_function(graphs, "DecodeCudaGraphRunner", "execute"))
-    assert "if forward_batch.forward_mode.is_decode():" in execute
-    assert "self.model_runner.war_fastpath_read_done_event = read_done" in execute
+    if variant_for(version) in _WAR:
+        # from 0.5.18 every replay publishes where the attention backend declares its reads end
+        assert "shared_read_ends = self._resolve_shared_read_ends(" in execute
+        for where in ("PRE_REPLAY", "IN_REPLAY", "POST_REPLAY"):
+            assert f"if shared_read_ends is SharedReadEnds.{where}:" in execute
+        publish = ast.unparse(_function(graphs, "DecodeCudaGraphRunner", "_publish_read_done"))
+        assert "self.model_runner.shared_read_done_event = read_done" in publish
+    else:
+        assert "forward_batch.forward_mode.is_decode()" in execute
+        assert "self.model_runner.war_fastpath_read_done_event = read_done" in execute
 
     args = _dataclass_fields(_source(version, "srt/server_args.py"), "ServerArgs")
     assert {"speculative_algorithm", "disable_overlap_schedule", "speculative_eagle_topk", "enable_dp_attention",
@@ -539,8 +631,11 @@ def test_the_annotated_field_gives_the_flag_through_sglangs_own_cli_derivation(v
     try:
         spec.loader.exec_module(module)
         # the class resolves its annotations in the module it names: arg_utils has A and Optional
-        namespace = {"__name__": spec.name, "A": module.A, "Optional": typing.Optional}
-        exec("class Args:\n" + fragment_text("server_args.field-0.5.14.pyfrag"), namespace)
+        namespace = {"__name__": spec.name, "A": module.A, "Optional": typing.Optional,
+                     "NS": getattr(module, "NS", None)}
+        field = next(ins.fragment for recipe in recipes(variant_for(version)) for ins in recipe.insertions
+                     if ins.fragment.startswith("server_args.field"))
+        exec("class Args:\n" + fragment_text(field), namespace)
         args_cls = dataclasses.dataclass(namespace["Args"])
         parser = argparse.ArgumentParser()
         module.add_cli_args_from_dataclass(parser, args_cls)

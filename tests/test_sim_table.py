@@ -51,6 +51,14 @@ def test_the_table_says_where_it_comes_from_and_what_its_columns_mean():
             assert set(row) <= set(table["columns"])
 
 
+def test_the_table_says_which_releases_are_patched_measured_unmeasured_or_native():
+    releases = json.loads(TABLE.read_text())["releases"]
+    assert releases["patched"]["0.5.12"] == releases["patched"]["0.5.14"] == "patched, measured on a GPU"
+    for version in ("0.5.15", "0.5.15.post1", "0.5.16", "0.5.17", "0.5.18"):
+        assert releases["patched"][version].startswith("patched, not measured on a GPU")
+    assert "0.5.23" not in releases["patched"] and "native adaptive speculation" in releases["native"]
+
+
 def test_a_results_file_without_its_run_directory_is_refused(tmp_path):
     lonely = tmp_path / "0.5.12.post1.json"
     shutil.copy(RESULTS, lonely)

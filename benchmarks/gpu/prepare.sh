@@ -24,7 +24,9 @@
 #                                      per sglang version
 #   sglang-<V>-pristine.tar.xz         sglang package as released
 #   sglang-<V>-patched.tar.xz          the same after `dynctl patch apply` (releases with a patch
-#                                      variant: 0.5.6-0.5.12 and 0.5.14)
+#                                      variant in patches/variants.toml: 0.5.6-0.5.12 and 0.5.14-0.5.18,
+#                                      those not yet measured on a GPU included: the build host asks for
+#                                      strategy = "patch", and MANIFEST carries dynctl's "not measured" line)
 #   adaptive-t<N>.json, .argv.json     sglang >= 0.5.14: the adaptive config and launch flags that
 #                                      dynctl generates for threshold N (native_config.py)
 #   wheels/                            dynctl's own wheel (built from this checkout) and the dependencies
@@ -141,6 +143,7 @@ default_host = "build"
 [hosts.build]
 python = "$VENV/bin/python"
 workdir = "$BUILD/dynwork-$V"
+strategy = "patch"
 TOML
   export DYNCTL_CONFIG="$BUILD/dynctl-$V.toml"
   set +e

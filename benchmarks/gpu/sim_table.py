@@ -37,6 +37,7 @@ import os
 import re
 import sys
 import tarfile
+import tomllib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -158,6 +159,26 @@ def build_table(results: dict, results_name: str, run_name: str, prompt_tokens: 
         "derivation": DERIVATION,
         "columns": COLUMNS,
         "kinds": {kind: {"sweep": mode, "what": what, "rows": rows(kind)} for kind, (mode, what) in KINDS.items()},
+        "releases": release_table(),
+    }
+
+
+def release_table() -> dict:
+    """Which sglang releases the simulated host serves patched (measured on a GPU or not) or native, from
+    patches/variants.toml: the simulator runs the same step costs for every patched release."""
+    with open(os.path.join(REPO, "patches", "variants.toml"), "rb") as f:
+        releases = tomllib.load(f)["releases"]
+    patched = {
+        name: ("patched, measured on a GPU" if entry.get("measured") else
+               'patched, not measured on a GPU (only with strategy = "patch"; these step costs stand in for it)')
+        for name, entry in releases.items()
+    }
+    return {
+        "patched": patched,
+        "native": ("sglang 0.5.14 and later without a measured patch variant (and any of them with strategy = "
+                   "\"native\"): native adaptive speculation, whose steps 0 the simulator runs as a verify of "
+                   "one token per request (dynctl/sim/speculation.py)"),
+        "from": "patches/variants.toml",
     }
 
 

@@ -18,7 +18,7 @@ from dynctl.patching.recipe import (
     recipes,
     target_files,
 )
-from dynctl.patching.versions import strategy_for, variant_for
+from dynctl.patching.versions import strategy_for, unmeasured_note, variant_for
 
 
 class PatchRefused(PreflightError):
@@ -68,11 +68,13 @@ class Plan:
 
     @property
     def message(self) -> str:
+        note = unmeasured_note(self.version)
+        note = f"; {note}" if note else ""
         if self.status == "applied":
-            return f"already applied, intact (sglang {self.version})"
+            return f"already applied, intact (sglang {self.version}){note}"
         found = (f"; {self.leftover} is dynctl's module left by a reinstall: it is backed up into the release "
                  f"and replaced" if self.leftover else "")
-        return f"{len(self.changes)} files to change (sglang {self.version}, variant {self.variant}){found}"
+        return f"{len(self.changes)} files to change (sglang {self.version}, variant {self.variant}){found}{note}"
 
     def diff(self) -> str:
         return "".join(change.diff() for change in self.changes)
@@ -87,9 +89,7 @@ class Plan:
 
 def TARGET_FILES(version: str) -> list[str]:
     """Relative paths (under the sglang package dir) the strategy for `version` touches."""
-    if strategy_for(version) != "patch":
-        return []
-    return [recipe.path for recipe in recipes(variant_for(version))] + [NEW_MODULE]
+    return target_files(variant_for(version)) if strategy_for(version) == "patch" else []
 
 
 # --------------------------------------------------------------------------- text surgery
@@ -241,7 +241,7 @@ def plan_patch(
             file=todo[0],
         )
     changes = tuple(
-        FileChange(path, originals.get(path), new_texts[path]) for path in target_files() if path in new_texts
+        FileChange(path, originals.get(path), new_texts[path]) for path in target_files(variant)
     )
     return Plan(version, variant, "ready", changes, leftover=leftover)
 

@@ -9,7 +9,7 @@ from dynctl.agent import AgentClient
 from dynctl.errors import PreflightError
 from dynctl.patching.engine import PatchRefused, Plan, plan_patch
 from dynctl.patching.recipe import target_files
-from dynctl.patching.versions import SUPPORTED, strategy_for
+from dynctl.patching.versions import SUPPORTED, strategy_for, strategy_note
 
 
 @dataclass
@@ -61,9 +61,11 @@ def patch_state_from(answer: dict[str, Any], preference: str = "auto") -> PatchS
         return state
     if state.strategy == "native":
         state.status = "native"
+        note = strategy_note(version, "native")
         state.detail = (f"sglang {version} has adaptive speculation: no file is patched, "
                         f"the threshold is a launch config"
-                        + (' (strategy = "native")' if preference == "native" else ""))
+                        + (' (strategy = "native")' if preference == "native" else "")
+                        + (f"; {note}" if note else ""))
         return state
     originals = {path: (info or {}).get("text") for path, info in answer["files"].items()}
     release = answer.get("release") or {}

@@ -6,24 +6,47 @@ import re
 
 from dynctl.config import STRATEGIES
 from dynctl.errors import PreflightError, UsageError
+from dynctl.patching.recipe import Release, releases
 from dynctl.sglang import parse_version
 
-SUPPORTED = ("patch for sglang 0.5.6–0.5.12 and 0.5.14, native adaptive config for sglang ≥ 0.5.14 "
-             "(the default for releases without a patch variant)")
+SUPPORTED = ("patch for sglang 0.5.6–0.5.12 and 0.5.14–0.5.18 (measured on a GPU: 0.5.6–0.5.12 and 0.5.14; "
+             "the others only with strategy = \"patch\"), native adaptive config for sglang ≥ 0.5.14 "
+             "(the default for releases without a measured patch variant)")
 MAX_THRESHOLD = 1_000_000
 
-# Releases whose eagle_worker_v2 needs its own small compat methods (see patches/README.md).
-_VARIANTS = {6: "0.5.6", 7: "0.5.7", 8: "0.5.8", 9: "0.5.8", 10: "0.5.8", 11: "0.5.8", 12: "0.5.12",
-             14: "0.5.14"}
 _NATIVE_FROM = (0, 5, 14)
 
 
-def _has_variant(parsed: tuple[int, ...]) -> bool:
-    return parsed[:2] == (0, 5) and parsed[2] in _VARIANTS
+def _release(version: str) -> Release | None:
+    """The table's entry for `version`: its own, else its base release's (0.5.15.post2 -> 0.5.15)."""
+    table = releases()
+    if version in table:
+        return table[version]
+    parsed = parse_version(version)
+    return None if parsed is None else table.get(".".join(map(str, parsed)))
+
+
+def _has_variant(version: str) -> bool:
+    return _release(version) is not None
+
+
+def is_measured(version: str) -> bool:
+    """Whether the patch variant for `version` was measured on a GPU (False without a variant)."""
+    release = _release(version)
+    return release is not None and release.measured
+
+
+def unmeasured_note(version: str) -> str | None:
+    """What plan, deploy and status say when the patch for `version` was only checked on a CPU."""
+    if not _has_variant(version) or is_measured(version):
+        return None
+    return (f"patch not measured on a GPU for sglang {version}: it passes every CPU check, but its "
+            f"disabled-step cost and correctness were not measured")
 
 
 def strategy_for(version: str, preference: str = "auto") -> str:
-    """"patch" or "native" for a supported sglang release and the host's `strategy` preference;
+    """"patch" or "native" for a supported sglang release and the host's `strategy` preference
+    ("auto" patches only where the variant was measured on a GPU);
     PreflightError (exit 3) for an unsupported release or a strategy the release cannot take."""
     parsed = parse_version(version)
     if parsed is None:
@@ -33,7 +56,7 @@ def strategy_for(version: str, preference: str = "auto") -> str:
         )
     if preference not in STRATEGIES:
         raise UsageError(f"strategy {preference!r}: expected one of {', '.join(STRATEGIES)}")
-    patch, native = _has_variant(parsed), parsed >= _NATIVE_FROM
+    patch, native = _has_variant(version), parsed >= _NATIVE_FROM
     if not patch and not native:
         if parsed[:2] == (0, 5) and parsed[2] == 13:
             raise PreflightError(
@@ -53,21 +76,35 @@ def strategy_for(version: str, preference: str = "auto") -> str:
     if preference == "patch" and not patch:
         raise PreflightError(
             f'strategy = "patch" cannot serve sglang {version}: dynctl has no patch variant for it '
-            f'(variants: {", ".join(sorted(set(_VARIANTS.values()), key=parse_version))}); '
+            f'(variants: {", ".join(sorted({r.variant for r in releases().values()}, key=parse_version))}); '
             f'use strategy = "auto" or "native"'
         )
     if preference == "native" or not patch:
         return "native"
+    if preference == "auto" and native and not is_measured(version):
+        return "native"  # an unmeasured variant is taken only when asked for by name
     return "patch"
 
 
 def variant_for(version: str) -> str:
     """The compat variant of the eagle_worker_v2 patch for a release that has one."""
-    parsed = parse_version(version)
-    if parsed is None or not _has_variant(parsed):
+    release = _release(version)
+    if release is None:
         strategy_for(version)  # the refusal for an unsupported release, if it is one
         raise PreflightError(f"sglang {version} uses the native strategy: no file is patched")
-    return _VARIANTS[parsed[2]]
+    return release.variant
+
+
+def strategy_note(version: str, strategy: str) -> str | None:
+    """What `dynctl status` says beside the strategy: measured or not, and a variant that "auto" leaves aside."""
+    if not _has_variant(version):
+        return None
+    if strategy == "patch":
+        return "patch measured on a GPU" if is_measured(version) else unmeasured_note(version)
+    if strategy == "native" and not is_measured(version):
+        return (f'a patch variant for sglang {version} exists but is not measured on a GPU; '
+                f'strategy = "patch" takes it')
+    return None
 
 
 def parse_threshold(value: object, where: str = "threshold") -> int:

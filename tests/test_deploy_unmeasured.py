@@ -1,0 +1,55 @@
+"""Patch variants that passed every CPU check but were not measured on a GPU: opt-in, and said so everywhere."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from demo_box import dynctl, server_info, start_baseline, tree_sha256
+
+pytestmark = pytest.mark.slow
+
+NOTE = "patch not measured on a GPU for sglang 0.5.17"
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())  # rich wraps long lines
+
+
+def test_auto_stays_native_and_status_names_the_unmeasured_variant(demo_box):
+    config = demo_box("0.5.17", via="local")
+    status = dynctl("status", config=config)
+    assert status.returncode == 0, status.stdout + status.stderr
+    line = next(ln for ln in status.stdout.splitlines() if "strategy" in ln)
+    assert "native" in line
+    assert 'patch variant for sglang 0.5.17 exists but is not measured on a GPU' in _one_line(status.stdout)
+    dry = dynctl("deploy", "--threshold", "5", "--dry-run", config=config)
+    assert dry.returncode == 0, dry.stderr
+    assert "strategy native" in dry.stdout and "eagle_worker_v2.py" not in dry.stdout
+
+
+def test_strategy_patch_takes_the_unmeasured_variant_and_says_so(demo_box):
+    config = demo_box("0.5.17", via="local", strategy="patch")
+    pristine = tree_sha256(config)
+    start_baseline(config)
+    dry = dynctl("deploy", "--threshold", "5", "--dry-run", config=config)
+    assert dry.returncode == 0, dry.stderr
+    assert "strategy patch" in dry.stdout and NOTE in _one_line(dry.stdout)
+    assert "+++ b/sglang/srt/speculative/eagle_worker_v2.py" in dry.stdout
+    assert tree_sha256(config) == pristine
+
+    out = dynctl("deploy", "--threshold", "5", "--yes", config=config)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert NOTE in _one_line(out.stdout + out.stderr)
+    assert server_info(config)["internal_states"][0]["speculative_disable_batch_threshold"] == 5
+
+    status = dynctl("status", config=config)
+    assert status.returncode == 0
+    assert NOTE in _one_line(status.stdout)
+    data = json.loads(dynctl("status", "--json", config=config).stdout)
+    assert data["patch"]["strategy"] == "patch" and data["patch"]["status"] == "applied"
+    assert NOTE in data["patch"]["detail"]
+
+    back = dynctl("rollback", "--yes", config=config)
+    assert back.returncode == 0, back.stdout + back.stderr
+    assert tree_sha256(config) == pristine
