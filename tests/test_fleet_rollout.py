@@ -92,6 +92,11 @@ def test_a_rollout_killed_midway_resumes_and_leaves_no_host_drained(fleet):
     assert load.failures == [] and load.cut == [], (load.failures[:5], load.cut[:5])
     assert thresholds(fleet) == {"h1": 9, "h2": 9, "h3": 9}
     wait_for(lambda: all_ready(fleet), 30, "every host ready in the gateway")
+    ops = dynctl("ops", "list", "--host", "prod", "--json", config=fleet.config)
+    assert ops.returncode == 0, ops.stderr
+    [record] = json.loads(ops.stdout)  # the killed rollout, resumed and finished: one record
+    assert (record["action"], record["target"], record["state"]) == ("deploy", "9", "done")
+    assert set(record["hosts"].values()) == {"done"}
 
 
 def test_gateway_admin_key_comes_from_the_named_variable(fleet):

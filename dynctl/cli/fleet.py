@@ -205,3 +205,22 @@ def rolling(action: str, target_value: Any, found: tuple[Config, Fleet], *, yes:
                       f"{r.register_s:.1f} s" if r.register_s else "-", escape(r.detail[:160]))
     console.print(table)
     raise typer.Exit(code)
+
+
+def list_rollouts(fleet_name: str | None, limit: int, as_json: bool) -> None:
+    """The rolling operations started from this client (newest first): id, fleet, what, state, per host."""
+    records = [r for r in rollout_core.list_rollouts() if fleet_name is None or r.fleet == fleet_name][:limit]
+    if as_json:
+        console.print_json(json.dumps([r.__dict__ for r in records], default=str))
+        return
+    if not records:
+        console.print(f"no rollouts{f' of {escape(fleet_name)}' if fleet_name else ''} from this client yet")
+        return
+    table = Table(box=None)
+    table.add_column("rollout", no_wrap=True, min_width=max(len(r.id) for r in records))
+    for name in ("fleet", "action", "target", "started", "state", "hosts"):
+        table.add_column(name, overflow="fold")
+    for r in records:
+        hosts = ", ".join(f"{h} {s}" for h, s in r.hosts.items())
+        table.add_row(r.id, r.fleet, r.action, r.target, r.started[:19], r.state, hosts)
+    console.print(table)
