@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
@@ -16,7 +18,22 @@ from dynctl.groups import Gateway, expand, gateways_of
 from dynctl.transport import connect
 
 DEFAULT_CONCURRENCY = 16  # hosts contacted at once; each has one connection
+# Hosts behind one SSH endpoint (containers on one Proxmox node) share its connection, and sshd refuses a
+# connection's channels past MaxSessions (10 by default): at most this many of them at once.
+PER_ENDPOINT = 8
 T = TypeVar("T")
+_slots: dict[tuple, threading.BoundedSemaphore] = {}
+_slots_lock = threading.Lock()
+
+
+@contextmanager
+def endpoint_slot(host: HostConfig) -> Iterator[None]:
+    """Hold one of the PER_ENDPOINT slots of the SSH endpoint `host` is reached through."""
+    key = (host.ssh, host.identity_file)
+    with _slots_lock:
+        slot = _slots.setdefault(key, threading.BoundedSemaphore(PER_ENDPOINT))
+    with slot:
+        yield
 
 
 @dataclass(frozen=True)
@@ -113,8 +130,9 @@ def host_row(member: Member, config: Config) -> HostRow:
     row = HostRow(host.name, host.route, ok=False, simulated=host.simulated, worker_url=host.gateway_url)
     t0 = time.monotonic()
     try:
-        agent = AgentClient(connect(host, config), host)
-        snap = sample_server(agent, host.simulated)
+        with endpoint_slot(host):
+            agent = AgentClient(connect(host, config), host)
+            snap = sample_server(agent, host.simulated)
     except DynctlError as err:
         row.error, row.exit_code = str(err), err.exit_code
     else:

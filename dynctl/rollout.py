@@ -24,7 +24,7 @@ from dynctl import events
 from dynctl.agent import AgentClient
 from dynctl.config import Config, user_state_dir
 from dynctl.errors import DynctlError, OperationFailed, PreflightError
-from dynctl.fleet import Fleet, Member, fan_out
+from dynctl.fleet import Fleet, Member, endpoint_slot, fan_out
 from dynctl.gateway import GatewayClient
 from dynctl.lifecycle import Confirm, proceed
 from dynctl.transport import connect
@@ -164,6 +164,10 @@ class RollingOperation:
         return plans  # type: ignore[return-value]
 
     def _plan(self, member: Member) -> HostPlan | DynctlError:
+        with endpoint_slot(member.host):
+            return self._plan_one(member)
+
+    def _plan_one(self, member: Member) -> HostPlan | DynctlError:
         try:
             agent = AgentClient(connect(member.host, self.config), member.host)
             if self.action == "deploy":
@@ -303,7 +307,8 @@ class RollingOperation:
         client.set_drain(worker, self.drain)
         client.remove(worker)
         load = client.wait_gone(url, time.monotonic() + self.drain + 30)
-        self._wait_idle(p, time.monotonic() + self.drain)
+        if load:  # requests were still streaming when the gateway let go of it: let the server finish them
+            self._wait_idle(p, time.monotonic() + self.drain)
         sink(events.StepDone("drain", time.monotonic() - t, f"removed from {client.gateway.url}"
                              + (f", {load} requests were still finishing" if load else "")))
 

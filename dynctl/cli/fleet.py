@@ -94,8 +94,9 @@ def releases(found: tuple[Config, Fleet], as_json: bool, concurrency: int) -> No
 
     def read(member: fleet_core.Member) -> dict[str, Any]:
         try:
-            agent = AgentClient(connect(member.host, config), member.host)
-            return {"host": member.host.name, "releases": core.list_releases(agent)}
+            with fleet_core.endpoint_slot(member.host):
+                agent = AgentClient(connect(member.host, config), member.host)
+                return {"host": member.host.name, "releases": core.list_releases(agent)}
         except DynctlError as err:
             return {"host": member.host.name, "error": str(err), "exit_code": err.exit_code}
 
@@ -133,8 +134,9 @@ def threshold(value: str, found: tuple[Config, Fleet], yes: bool, as_json: bool,
 
     def change(member: fleet_core.Member) -> dict[str, Any]:
         try:
-            agent = AgentClient(connect(member.host, config), member.host)
-            return {"host": member.host.name, **core.set_threshold(agent, number)}
+            with fleet_core.endpoint_slot(member.host):
+                agent = AgentClient(connect(member.host, config), member.host)
+                return {"host": member.host.name, **core.set_threshold(agent, number)}
         except DynctlError as err:
             return {"host": member.host.name, "error": str(err), "exit_code": err.exit_code}
 
