@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import typer
@@ -226,3 +227,48 @@ def list_rollouts(fleet_name: str | None, limit: int, as_json: bool) -> None:
         hosts = ", ".join(f"{h} {s}" for h, s in r.hosts.items())
         table.add_row(r.id, r.fleet, r.action, r.target, r.started[:19], r.state, hosts)
     console.print(table)
+
+
+def gateway_reader(fleet: Fleet) -> Callable[[], dict[str, dict[str, Any]]]:
+    """host -> its entry in the first of its gateways ({"status", "load"}, or {"error"}), read on each call."""
+
+    def read() -> dict[str, dict[str, Any]]:
+        views = {v.gateway.url: v for v in fleet_core.fan_out(fleet.gateways, fleet_core.read_gateway)}
+        rows: dict[str, dict[str, Any]] = {}
+        for m in fleet.members:
+            if not m.gateways:
+                continue
+            view = views[m.gateways[0].url]
+            if view.workers is None:
+                rows[m.host.name] = {"error": view.error}
+                continue
+            worker = next((w for w in view.workers if w.url == m.host.gateway_url), None)
+            rows[m.host.name] = ({"status": worker.status, "load": worker.load} if worker
+                                 else {"status": "not registered", "load": None})
+        return rows
+
+    return read
+
+
+def run_fleet_screen(cfg: Config, group: str, read_only: bool = False, interval: float = 1.0) -> None:
+    """`dynctl tui --host GROUP`: the fleet screen over the one-host dashboards."""
+    from dynctl.feed import LiveFeed
+    from dynctl.host_actions import actions_for
+    from dynctl.tui.fleet import create_fleet_app
+
+    fleet = fleet_core.fleet_target(cfg, group, None)
+    assert fleet is not None
+    hosts = [m.host for m in fleet.members]
+
+    def rollout(action: str, arg: Any, on_event: Callable[[Any], None]) -> list[Any]:
+        operation = rollout_core.RollingOperation(cfg, fleet, action, arg, on_event=on_event)
+        try:
+            return operation.run(lambda question: None)[1]  # the screen's dialog was the confirmation
+        finally:
+            operation.close()
+
+    app = create_fleet_app(group, [h.name for h in hosts],
+                           lambda on_update: LiveFeed(hosts, on_update, config=cfg, interval=interval),
+                           actions=actions_for(cfg, hosts), gateways=gateway_reader(fleet) if fleet.gateways else None,
+                           rollout=rollout, read_only=read_only, interval=interval)
+    app.run()
