@@ -272,3 +272,46 @@ def run_fleet_screen(cfg: Config, group: str, read_only: bool = False, interval:
                            actions=actions_for(cfg, hosts), gateways=gateway_reader(fleet) if fleet.gateways else None,
                            rollout=rollout, read_only=read_only, interval=interval)
     app.run()
+
+
+def demo_fleet(count: int, config_path: str | None, threshold: int, time_scale: float, no_tui: bool) -> None:
+    """`dynctl demo --fleet N`: the fleet, a rolling deploy of `threshold` through its gateway, then the screen."""
+    import sys
+    import threading
+
+    from dynctl import demo_fleet as core_fleet
+    from dynctl.cli.progress import EventPrinter
+    from dynctl.errors import UsageError
+
+    if not 1 <= count <= core_fleet.MAX_FLEET:
+        raise UsageError(f"--fleet: expected 1-{core_fleet.MAX_FLEET} hosts, got {count}")
+    if not time_scale > 0:
+        raise UsageError(f"--time-scale: expected a number above 0, got {time_scale:g}")
+    if not no_tui and not (sys.stdin.isatty() and sys.stdout.isatty()):
+        raise UsageError("the demo opens the TUI, which needs a terminal; use `dynctl demo --fleet N --no-tui`")
+    printer = EventPrinter(quiet=False)
+    console.print(f"[bold magenta]dynctl demo --fleet {count}[/] — {count} [bold]SIMULATED[/] SGLang servers on "
+                  "127.0.0.1 (no GPU, no model)" + (" behind a real smg gateway" if core_fleet.smg_binary() else ""))
+    made = core_fleet.prepare(count, config_path, time_scale=time_scale, on_event=printer)
+    stop = threading.Event()
+    if made.gateway:
+        core_fleet.drive_load(made.gateway, stop)
+    try:
+        results = core_fleet.rolling_deploy(made, threshold, printer)
+        table = Table("host", "outcome", "drain", "operation", "gateway", box=None, pad_edge=False)
+        for r in results:
+            table.add_row(r.host, r.outcome, f"{r.drain_s:.1f} s", f"{r.operation_s:.1f} s", f"{r.register_s:.1f} s")
+        console.print(table)
+        if no_tui:
+            rows, views = fleet_core.fleet_status(fleet_core.fleet_target(made.config, core_fleet.GROUP, None),
+                                                  made.config)
+            for row in rows:
+                gw = ", ".join(f"{g['status']} load {g['load']}" for g in row.gateway) or "no gateway"
+                console.print(f"{row.host}: {row.state}, threshold {row.threshold}, {gw}")
+        else:
+            run_fleet_screen(made.config, core_fleet.GROUP)
+    finally:
+        stop.set()
+    console.print(f"The demo fleet keeps running: `dynctl status --host {core_fleet.GROUP}`, "
+                  f"`dynctl tui --host {core_fleet.GROUP}`; `dynctl stop --host demo-N --yes` ends a server, and the "
+                  f"gateway's pid is in {core_fleet.fleet_root() / 'smg.pid'}.")
