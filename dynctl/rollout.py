@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from dynctl import deploy as core
-from dynctl import events
+from dynctl import events, operations
 from dynctl.agent import AgentClient
 from dynctl.config import Config, user_state_dir
 from dynctl.errors import DynctlError, OperationFailed, PreflightError
@@ -31,6 +32,8 @@ from dynctl.transport import connect
 
 DEFAULT_DRAIN_S = 30.0  # the longest request a gateway is given to finish before its worker is removed
 REGISTER_TIMEOUT_S = 120.0
+_save_lock = threading.Lock()
+MIDDLE = ("draining", "running", "registering")  # a host's states between leaving its gateway and coming back
 
 
 def rollouts_dir() -> Path:
@@ -67,14 +70,16 @@ class Rollout:
         return rollouts_dir() / f"{self.id}.json"
 
     def save(self) -> None:
-        rollouts_dir().mkdir(parents=True, exist_ok=True, mode=0o700)
-        tmp = self.path.with_suffix(f".tmp{os.getpid()}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(asdict(self), f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        """Write the record whole (temp file, fsync, rename): a SIGKILL leaves the last state, never half of one."""
+        with _save_lock:  # hosts of one batch (--max-unavailable > 1) report from their own threads
+            rollouts_dir().mkdir(parents=True, exist_ok=True, mode=0o700)
+            tmp = self.path.with_suffix(f".tmp{os.getpid()}")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                json.dump(asdict(self), f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
 
     def mark(self, host: str, state: str) -> None:
         self.hosts[host] = state
@@ -122,7 +127,7 @@ def _prefixed(host: str, sink: events.EventSink) -> events.EventSink:
                 sink(events.Note(f"{host}: {text}"))
             case events.Warning(text=text):
                 sink(events.Warning(f"{host}: {text}"))
-            case events.Finished(operation=op, outcome=outcome, detail=detail, elapsed=elapsed):
+            case events.Finished(outcome=outcome, detail=detail):
                 sink(events.Note(f"{host}: {outcome} {detail}".rstrip()))
             case _:
                 sink(event)
@@ -143,10 +148,14 @@ class RollingOperation:
         self.max_unavailable, self.canary = max_unavailable, canary
         self.gateways: dict[str, GatewayClient] = {}
         self.results: dict[str, HostResult] = {m.host.name: HostResult(m.host.name) for m in fleet.members}
+        self.record: Rollout | None = None  # once the rollout has started
+        self.middle: set[str] = set()  # hosts a cut-short rollout left between drain and re-registration
 
     # ---------------------------------------------------------------- pre-flight: nothing changes here
 
     def preflight(self) -> list[HostPlan]:
+        cut_short = unfinished(self.fleet.name)
+        self.middle = {h for h, st in (cut_short.hosts.items() if cut_short else ()) if st in MIDDLE}
         for gw in self.fleet.gateways:
             client = GatewayClient(gw)  # a missing admin key is named here (exit 2)
             client.workers()  # an unreachable gateway or a refused key: exit 4 / 2, before any host
@@ -170,6 +179,8 @@ class RollingOperation:
     def _plan_one(self, member: Member) -> HostPlan | DynctlError:
         try:
             agent = AgentClient(connect(member.host, self.config), member.host)
+            if member.host.name in self.middle:
+                self._finish_cut_short(agent, member.host.name)
             if self.action == "deploy":
                 plan = core.plan_deploy(agent, member.host, self.target)
                 if plan.operator:
@@ -181,6 +192,18 @@ class RollingOperation:
         except DynctlError as err:
             return err
 
+    def _finish_cut_short(self, agent: AgentClient, name: str) -> None:
+        """The host operation a killed rollout left running goes on on the host: follow it to its end first."""
+        holder = agent.call("op_current")["holder"]
+        if not holder:
+            return
+        sink = _prefixed(name, self.on_event)
+        sink(events.Note(f"the {holder.get('operation')} that a cut-short rollout started still runs: following it"))
+        try:
+            operations.conclude(agent, "operation", operations.follow(agent), sink)
+        except DynctlError as err:
+            sink(events.Warning(f"it ended without success ({err}); the host is planned again"))
+
     # ---------------------------------------------------------------- the rollout
 
     def run(self, yes_to_canary: Callable[[str], None]) -> tuple[Rollout, list[HostResult]]:
@@ -190,8 +213,7 @@ class RollingOperation:
         if record is not None and (record.action, record.target) != (self.action, target):
             self.on_event(events.Warning(f"rollout {record.id} ({record.action} {record.target}) was cut short; "
                                          "its hosts are put back in their gateways first"))
-        middle = {h for h, s in (record.hosts.items() if record else ()) if s in ("draining", "running",
-                                                                                  "registering")}
+        middle = {h for h, st in (record.hosts.items() if record else ()) if st in MIDDLE}
         resumed = record is not None and (record.action, record.target) == (self.action, target)
         if not resumed:
             if record is not None:
@@ -218,6 +240,7 @@ class RollingOperation:
         self.confirm(f"Rolling {self.action} of {what} to {len(todo)} hosts of {self.fleet.name} ({names}), "
                      f"{self.max_unavailable} at a time, through {via}?")
         record.save()
+        self.record = record
         self.on_event(events.Note(f"rollout {record.id}: {len(todo)} hosts, {self.max_unavailable} at a time"))
         batches: list[list[HostPlan]] = []
         rest = list(todo)

@@ -17,7 +17,6 @@ import subprocess
 import sys
 import threading
 import tomllib
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 

@@ -8,7 +8,6 @@ import shutil
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from polling import alive, wait_for

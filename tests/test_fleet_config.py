@@ -118,3 +118,18 @@ def test_bad_group_exits_2_before_any_host_is_contacted(tmp_path):
                              text=True, stdin=subprocess.DEVNULL, timeout=60)
         assert out.returncode == 2, out.stdout + out.stderr
         assert "ghost" in out.stderr
+
+
+def test_an_unreachable_gateway_exits_4_before_any_host_is_contacted(tmp_path):
+    import socket
+
+    with socket.socket() as s:  # a loopback port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    path = write(tmp_path, f'[hosts.a]\nssh = "root@192.0.2.1"\n[groups.x]\nhosts = ["a"]\n'
+                           f'gateway = "http://127.0.0.1:{port}"\n')
+    out = subprocess.run([sys.executable, "-m", "dynctl", "deploy", "--threshold", "5", "--host", "x", "--yes",
+                          "--config", str(path)], capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=60)
+    assert out.returncode == 4, out.stdout + out.stderr
+    assert f"gateway http://127.0.0.1:{port} (group x): GET /workers" in out.stderr
+    assert "192.0.2.1" not in out.stderr  # the host was never tried

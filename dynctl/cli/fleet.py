@@ -17,7 +17,7 @@ from dynctl import sglang
 from dynctl.agent import AgentClient
 from dynctl.cli.common import console, err_console
 from dynctl.config import Config, load_config
-from dynctl.errors import DynctlError
+from dynctl.errors import DynctlError, Interrupted
 from dynctl.fleet import Fleet, HostRow
 from dynctl.patching import parse_threshold
 from dynctl.transport import connect
@@ -191,7 +191,14 @@ def rolling(action: str, target_value: Any, found: tuple[Config, Fleet], *, yes:
                     console.print(f"[bold]{escape(d['host'])}[/]: {escape(d.get('noop') or action)}  [dim]via {via}[/]")
                 console.print("[dim]dry run: nothing was changed[/]")
             return
-        record, results = operation.run(lambda question: confirm(question, yes))
+        try:
+            record, results = operation.run(lambda question: confirm(question, yes))
+        except KeyboardInterrupt:
+            if operation.record is None:
+                raise
+            raise Interrupted(f"rollout {operation.record.id} of {fleet.name} interrupted: the host operation in "
+                              "progress goes on on its host; run the same command again to finish the rollout (the "
+                              "host in the middle first, and back in its gateway)") from None
     finally:
         operation.close()
     code = rollout_core.exit_code(results)
