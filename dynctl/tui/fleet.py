@@ -66,6 +66,7 @@ class FleetScreen(Screen):
     def __init__(self, name: str, hosts: Sequence[str], read_only: bool) -> None:
         super().__init__()
         self.fleet_name, self.hosts, self.read_only = name, list(hosts), read_only
+        self._shown: dict[str, tuple[str, ...]] = {}  # what each row shows now
 
     def compose(self) -> ComposeResult:
         yield Static(fleet_totals(self.fleet_name, {h: None for h in self.hosts}), id="fleet-totals")
@@ -82,12 +83,19 @@ class FleetScreen(Screen):
         return not (self.read_only and action in ("deploy", "rollback"))
 
     def show(self, latest: dict[str, HostSnapshot | None], gateways: dict[str, dict[str, Any]],
-             rollout: dict[str, str]) -> None:
+             rollout: dict[str, str], hosts: set[str] | None = None) -> None:
+        """Redraw the totals and the rows of `hosts` (all by default), touching only the cells that changed."""
         self.query_one("#fleet-totals", Static).update(fleet_totals(self.fleet_name, latest))
         table = self.query_one(DataTable)
-        for h in self.hosts:
-            for column, value in zip(COLUMNS, host_row(h, latest.get(h), gateways.get(h), rollout.get(h, ""))):
-                table.update_cell(h, column, value)
+        for h in self.hosts if hosts is None else [h for h in self.hosts if h in hosts]:
+            row = host_row(h, latest.get(h), gateways.get(h), rollout.get(h, ""))
+            if self._shown.get(h) == row:
+                continue
+            before = self._shown.get(h) or ("",) * len(COLUMNS)
+            for column, value, old in zip(COLUMNS, row, before):
+                if value != old:
+                    table.update_cell(h, column, value)
+            self._shown[h] = row
 
     def selected(self) -> str:
         table = self.query_one(DataTable)
@@ -125,6 +133,7 @@ class FleetApp(DynctlApp):
         self.gateway_rows: dict[str, dict[str, Any]] = {}
         self.rollout_state: dict[str, str] = {}
         self.rollout_running: str | None = None
+        self._dirty: set[str] = set()  # hosts whose row waits for the next redraw
 
     # Textual runs the handlers of every class in the MRO, this one first: what needs the dashboard (mounted by
     # DynctlApp.on_mount) or the latest snapshot (kept by DynctlApp.on_host_updated) runs after them.
@@ -135,6 +144,7 @@ class FleetApp(DynctlApp):
     def _mount_fleet(self) -> None:
         self.install_screen(self.fleet, "fleet")
         self.push_screen("fleet")
+        self.set_interval(max(self.interval, 0.5), self._flush)  # one redraw of the table per sample interval
         if self._read_gateways is not None:
             self._poll_gateways()
             self.set_interval(max(self.interval, 1.0), self._poll_gateways)
@@ -149,20 +159,35 @@ class FleetApp(DynctlApp):
 
     def _gateways_read(self, rows: dict[str, dict[str, Any]]) -> None:
         self.gateway_rows = rows
-        self._show_fleet()
+        self._dirty |= set(self.hosts)
 
-    def _show_fleet(self) -> None:
+    def _show_fleet(self, hosts: set[str] | None = None) -> None:
         if getattr(self, "fleet", None) is not None and self.fleet.is_mounted:
-            self.fleet.show(self.latest, self.gateway_rows, self.rollout_state)
+            self.fleet.show(self.latest, self.gateway_rows, self.rollout_state, hosts)
 
     def on_host_updated(self, message: Any) -> None:
-        self.call_after_refresh(self._show_fleet)
+        # The dashboard below draws each update only while it is on screen; the fleet's rows are redrawn
+        # together on the screen's own beat, since many hosts report every second.
+        message.prevent_default()
+        if self.screen is self.dashboard:
+            DynctlApp.on_host_updated(self, message)
+        else:
+            snap = message.snapshot
+            if snap.host in self.latest:
+                self.latest[snap.host] = snap
+                self.histories[snap.host] = message.history
+        self._dirty.add(message.snapshot.host)
+
+    def _flush(self) -> None:
+        if self._dirty:
+            dirty, self._dirty = self._dirty, set()
+            self._show_fleet(dirty)
 
     def open_host(self, host: str) -> None:
         if self.screen is self.fleet:
             self.current = host
             self.pop_screen()
-            self.action_switch_host(0)
+            self.action_switch_host(0)  # draws the host from its latest snapshot and history
 
     def action_fleet(self) -> None:
         if self.screen is self.dashboard:
