@@ -138,3 +138,14 @@ def test_fan_out_status_with_a_host_unreachable(fleet):
     assert rows["gone"]["gateway"][0]["status"] == "not registered"
     table = dynctl("status", "--host", "prod", config=cfg)
     assert table.returncode == 4 and "3 of 4 hosts answered" in table.stdout
+
+
+def test_without_a_gateway_the_rollout_goes_host_by_host_and_says_there_is_no_drain(fleet):
+    cfg = fleet.write_config("plain.toml")
+    cfg.write_text(cfg.read_text().replace(f'gateway = "{fleet.gateway}"\n', ""))
+    out = dynctl("deploy", "--threshold", "11", "--host", "prod", *ROLL, config=cfg)
+    assert out.returncode == 0, out.stdout + out.stderr
+    for host in ("h1", "h2", "h3"):
+        assert f"{host}: no gateway in front of it: no drain" in out.stdout + out.stderr
+    assert "removed from" not in out.stdout
+    assert thresholds(fleet) == {"h1": 11, "h2": 11, "h3": 11}
