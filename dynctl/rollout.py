@@ -253,8 +253,9 @@ class RollingOperation:
         for i, batch in enumerate(batches):
             if i == 1 and self.canary:
                 left = ", ".join(p.member.host.name for b in batches[1:] for p in b)
-                yes_to_canary(f"Canary hosts done ({', '.join(p.member.host.name for p in batches[0])}); "
-                              f"continue with {left}?")
+                done = ", ".join(p.member.host.name for p in batches[0])
+                yes_to_canary(f"Canary hosts done ({done}); continue with {left}?")
+                self.on_event(events.Note(f"canary hosts done ({done}): going on with {left}"))
             outcomes = fan_out(batch, lambda p: self._one(p, record, p.member.host.name in middle),
                                self.max_unavailable)
             if not all(outcomes):

@@ -143,8 +143,11 @@ def test_fan_out_status_with_a_host_unreachable(fleet):
 def test_without_a_gateway_the_rollout_goes_host_by_host_and_says_there_is_no_drain(fleet):
     cfg = fleet.write_config("plain.toml")
     cfg.write_text(cfg.read_text().replace(f'gateway = "{fleet.gateway}"\n', ""))
-    out = dynctl("deploy", "--threshold", "11", "--host", "prod", *ROLL, config=cfg)
+    refused = dynctl("deploy", "--threshold", "11", "--host", "prod", "--canary", "1", "--soak", "0", config=cfg)
+    assert refused.returncode == 2 and "refusing without --yes" in refused.stderr  # no TTY: --yes or nothing
+    out = dynctl("deploy", "--threshold", "11", "--host", "prod", "--canary", "1", *ROLL, config=cfg)
     assert out.returncode == 0, out.stdout + out.stderr
+    assert "canary hosts done (h1): going on with h2, h3" in out.stdout
     for host in ("h1", "h2", "h3"):
         assert f"{host}: no gateway in front of it: no drain" in out.stdout + out.stderr
     assert "removed from" not in out.stdout
