@@ -9,6 +9,7 @@ from typing import Any
 from textual import work
 from textual.app import ComposeResult
 from textual.binding import Binding
+from textual.css.query import NoMatches
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Static
 
@@ -85,8 +86,11 @@ class FleetScreen(Screen):
     def show(self, latest: dict[str, HostSnapshot | None], gateways: dict[str, dict[str, Any]],
              rollout: dict[str, str], hosts: set[str] | None = None) -> None:
         """Redraw the totals and the rows of `hosts` (all by default), touching only the cells that changed."""
-        self.query_one("#fleet-totals", Static).update(fleet_totals(self.fleet_name, latest))
-        table = self.query_one(DataTable)
+        try:
+            totals, table = self.query_one("#fleet-totals", Static), self.query_one(DataTable)
+        except NoMatches:  # a timer that fires while the app is being torn down: nothing to draw on
+            return
+        totals.update(fleet_totals(self.fleet_name, latest))
         for h in self.hosts if hosts is None else [h for h in self.hosts if h in hosts]:
             row = host_row(h, latest.get(h), gateways.get(h), rollout.get(h, ""))
             if self._shown.get(h) == row:
