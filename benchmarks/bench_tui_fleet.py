@@ -82,8 +82,8 @@ def main() -> int:
     size = tuple(int(x) for x in args.size.split("x"))
     with tempfile.TemporaryDirectory() as tmp:
         tm = FleetTmux(Path(tmp), size)  # type: ignore[arg-type]
-        proc = tm.start([sys.executable, __file__, "--child", str(args.hosts)])
         try:
+            proc = tm.start([sys.executable, __file__, "--child", str(args.hosts)])
             tm.wait_for("tok/s")
             time.sleep(4.0)  # imports and first layout are start-up, not the steady 1 Hz cost
             t0, c0 = time.monotonic(), proc.cpu_times()
