@@ -65,6 +65,15 @@ class HostConfig:
     simulated: bool = False
     keep_history: int = DEFAULT_KEEP_HISTORY
     strategy: str = "auto"  # auto | patch | native: how the threshold reaches sglang
+    worker_url: str | None = None  # the URL a gateway knows this host's server by (default: ssh host and port)
+
+    @property
+    def gateway_url(self) -> str:
+        """The URL under which a gateway routes to this host's server: `worker_url`, else http://<ssh host>:<port>."""
+        if self.worker_url:
+            return self.worker_url.rstrip("/")
+        host = self.ssh.host if self.ssh else "127.0.0.1"
+        return f"http://{'[' + host + ']' if ':' in host else host}:{self.port}"
 
     @property
     def route(self) -> str:
@@ -85,6 +94,7 @@ class Config:
     default_host: str | None = None
     ssh_config: str | None = None
     known_hosts: str | None = None
+    groups: dict[str, Any] = field(default_factory=dict)  # name -> dynctl.groups.GroupConfig
 
     def host(self, name: str | None) -> HostConfig:
         """The host called `name`, else the default host, else this machine."""
@@ -107,6 +117,9 @@ class Config:
             return self.hosts[chosen]
         if chosen == LOCAL_HOST:
             return HostConfig(name=LOCAL_HOST)
+        if chosen in self.groups:
+            raise UsageError(f"--host {chosen}: '{chosen}' is a group in {self._where}; this command acts on one "
+                             "host (status, releases, threshold, deploy and rollback take a group)")
         known = ", ".join(sorted(self.hosts)) or "none"
         raise ConfigError(f"{self._where}: no host named '{chosen}' (defined: {known})")
 
@@ -149,7 +162,7 @@ def load_config(explicit: str | os.PathLike | None = None) -> Config:
 
 def parse_config(data: dict[str, Any], path: Path | None = None) -> Config:
     where = str(path) if path else "config"
-    known_top = {"default_host", "hosts", "ssh_config", "known_hosts"}
+    known_top = {"default_host", "hosts", "ssh_config", "known_hosts", "groups"}
     for key in data:
         if key not in known_top:
             raise ConfigError(f"{where}: unknown key '{key}' (expected one of {', '.join(sorted(known_top))})")
@@ -163,12 +176,15 @@ def parse_config(data: dict[str, Any], path: Path | None = None) -> Config:
             f"{where}: default_host = '{default}' names no [hosts.{default}] section "
             f"(defined: {', '.join(sorted(hosts)) or 'none'})"
         )
+    from dynctl.groups import parse_groups
+
     return Config(
         path=path,
         hosts=hosts,
         default_host=default,
         ssh_config=_opt_str(data, "ssh_config", where, "ssh_config"),
         known_hosts=_opt_str(data, "known_hosts", where, "known_hosts"),
+        groups=parse_groups(data.get("groups", {}), hosts, where),
     )
 
 
@@ -185,7 +201,7 @@ def parse_ssh_target(text: str) -> SSHTarget:
 
 _HOST_KEYS = {
     "ssh", "pct", "python", "workdir", "port", "env", "args", "launch",
-    "identity_file", "accept_new_host_key", "simulated", "keep_history", "strategy",
+    "identity_file", "accept_new_host_key", "simulated", "keep_history", "strategy", "worker_url",
 }
 
 
@@ -295,6 +311,13 @@ def _parse_host(name: str, raw: Any, where: str) -> HostConfig:
             raise ConfigError(f"{where}: {key}.strategy: expected one of {', '.join(repr(s) for s in STRATEGIES)} "
                               f"(auto: the patch where dynctl has one for the release, else native), got {strategy!r}")
         host = replace(host, strategy=strategy)
+    if "worker_url" in raw:
+        from dynctl.groups import url_problem
+
+        url = _opt_str(raw, "worker_url", where, f"{key}.worker_url")
+        if problem := url_problem(url):
+            raise ConfigError(f"{where}: {key}.worker_url: {problem}")
+        host = replace(host, worker_url=url)
     for k in ("accept_new_host_key", "simulated"):
         if k in raw:
             if not isinstance(raw[k], bool):

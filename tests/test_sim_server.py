@@ -146,6 +146,26 @@ def test_v1_models_lists_the_served_model(client):
     assert card["id"] == "/models/sim-test" and card["object"] == "model"
 
 
+def test_v1_loads_reports_the_batch_right_now_as_sglang_does(server, client):
+    """What a gateway (smg) and dynctl's watch read: Scheduler.get_loads per DP rank, plus the aggregate."""
+    idle = client.get("/v1/loads").json()
+    assert set(idle) == {"timestamp", "version", "dp_rank_count", "loads", "aggregate"}
+    [rank] = idle["loads"]
+    assert rank["dp_rank"] == 0 and rank["max_running_requests"] == 64
+    assert {"num_running_reqs", "num_waiting_reqs", "num_used_tokens", "max_total_num_tokens", "token_usage",
+            "gen_throughput", "cache_hit_rate", "utilization", "num_total_reqs", "queues", "disaggregation"} <= set(rank)
+    with httpx.Client(base_url=server.url, timeout=60) as other:
+        with other.stream("POST", "/generate", json={"text": "x", "stream": True,
+                                                      "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}) as r:
+            next(r.iter_lines())
+            busy = client.get("/v1/loads", params={"include": "core"}).json()
+    [rank] = busy["loads"]
+    assert rank["num_running_reqs"] == 1 and busy["aggregate"]["total_reqs"] == 1
+    assert "queues" not in rank and "disaggregation" not in rank  # only the sections asked for
+    bad = client.get("/v1/loads", params={"include": "core,bogus"})
+    assert bad.status_code == 400 and "bogus" in bad.json()["detail"]
+
+
 def test_metrics_parse_with_sglang_names_types_and_labels(client):
     client.post("/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 30}})
     text = client.get("/metrics").text

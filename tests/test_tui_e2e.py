@@ -106,7 +106,8 @@ async def test_indicator_flips_off_under_load_and_back_on(demo_config: Path) -> 
             ramp.start()
             await wait_until(lambda: "SPECULATION ON" in spec.text(), "speculation back on as the load leaves")
             back_on.set()
-            assert "≤ threshold 5" in spec.text()
+            # the last streams may all leave within one sample: the server's /v1/loads then says idle
+            assert "≤ threshold 5" in spec.text() or "idle: the next request speculates" in spec.text()
         history = app.histories["box"]
         assert history is not None
         kinds = [s.enabled for s in history.switches()]

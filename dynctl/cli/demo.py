@@ -26,10 +26,16 @@ def demo(
     port: int = typer.Option(30000, "--port", help="Port of the simulated server (127.0.0.1)."),
     time_scale: float = typer.Option(1.0, "--time-scale", help="Run the simulated GPU this many times faster than the H200 it was measured on (1 = the measured speed)."),
     level_seconds: float = typer.Option(4.5, "--level-seconds", help="Seconds per step of the 1→64→1 ramp."),
+    fleet: int = typer.Option(0, "--fleet", metavar="N",
+                              help="N simulated hosts (1-8) behind a real smg gateway, and a rolling deploy through it."),
 ) -> None:
     """Start a local SIMULATED GPU host, deploy threshold 5 to it, drive a load ramp and watch speculation switch."""
     # Checked before anything is prepared: a bad value must not leave a half-registered demo host behind.
     parse_threshold(threshold, "--threshold")
+    if fleet:
+        from dynctl.cli.fleet import demo_fleet
+
+        return demo_fleet(fleet, config, threshold, time_scale, no_tui)
     if not 0 < port < 65536:
         raise UsageError(f"--port: expected a TCP port 1-65535, got {port}")
     for name, value in (("--time-scale", time_scale), ("--level-seconds", level_seconds)):

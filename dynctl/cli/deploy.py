@@ -12,6 +12,7 @@ from rich.table import Table
 
 from dynctl import deploy as core
 from dynctl import sglang
+from dynctl.cli import fleet as fleet_cli
 from dynctl.cli.common import (
     AdoptOpt,
     ConfigOpt,
@@ -57,9 +58,17 @@ def deploy(
     soak: float = SoakOpt,
     as_json: bool = JsonOpt,
     verbose: bool = VerboseOpt,
+    hosts: str = fleet_cli.HostsOpt,
+    max_unavailable: int = fleet_cli.MaxUnavailableOpt,
+    canary: int = fleet_cli.CanaryOpt,
+    drain: float = fleet_cli.DrainOpt,
 ) -> None:
     """Inspect, validate with the server's own interpreter, back up, switch, restart, health-gate, soak; roll back on failure."""
     parse_threshold(threshold, "--threshold")  # a typo is named before any host is contacted
+    if found := fleet_cli.target(host, hosts, config):
+        return fleet_cli.rolling("deploy", threshold, found, yes=yes, dry_run=dry_run, grace=grace,
+                                 ready_timeout=ready_timeout, soak=soak, drain=drain, max_unavailable=max_unavailable,
+                                 canary=canary, as_json=as_json, verbose=verbose)
     session = open_host(host, config)
     t0 = time.monotonic()
     done = core.deploy_threshold(session.agent, session.host, threshold, EventPrinter(quiet=as_json, verbose=verbose),
@@ -118,8 +127,16 @@ def rollback(
     soak: float = SoakOpt,
     as_json: bool = JsonOpt,
     verbose: bool = VerboseOpt,
+    hosts: str = fleet_cli.HostsOpt,
+    max_unavailable: int = fleet_cli.MaxUnavailableOpt,
+    canary: int = fleet_cli.CanaryOpt,
+    drain: float = fleet_cli.DrainOpt,
 ) -> None:
     """Back to the previous release (or --to R) and restart with its recorded launch arguments."""
+    if found := fleet_cli.target(host, hosts, config):
+        return fleet_cli.rolling("rollback", to, found, yes=yes, dry_run=False, grace=grace,
+                                 ready_timeout=ready_timeout, soak=soak, drain=drain, max_unavailable=max_unavailable,
+                                 canary=canary, as_json=as_json, verbose=verbose)
     session = open_host(host, config)
     result = core.rollback(session.agent, session.host, to, EventPrinter(quiet=as_json, verbose=verbose), grace=grace,
                            ready_timeout=ready_timeout, soak=soak, confirm=lambda question: confirm(question, yes),
@@ -133,8 +150,12 @@ def releases(
     host: str = HostOpt,
     config: str = ConfigOpt,
     as_json: bool = JsonOpt,
+    hosts: str = fleet_cli.HostsOpt,
+    concurrency: int = fleet_cli.ConcurrencyOpt,
 ) -> None:
     """The release history on the host: id, time, who, sglang version, threshold, files, state."""
+    if found := fleet_cli.target(host, hosts, config):
+        return fleet_cli.releases(found, as_json, concurrency)
     session = open_host(host, config)
     items = core.list_releases(session.agent)
     if as_json:
@@ -162,9 +183,13 @@ def threshold(
     config: str = ConfigOpt,
     yes: bool = YesOpt,
     as_json: bool = JsonOpt,
+    hosts: str = fleet_cli.HostsOpt,
+    concurrency: int = fleet_cli.ConcurrencyOpt,
 ) -> None:
     """Change the threshold of the running server without a restart, and report the value in force."""
     number = parse_threshold(value, "threshold")  # a typo is named before any host is contacted
+    if found := fleet_cli.target(host, hosts, config):
+        return fleet_cli.threshold(value, found, yes, as_json, concurrency)
     session = open_host(host, config)
     answer = core.set_threshold(session.agent, number, EventPrinter(quiet=as_json),
                                 lambda question: confirm(question, yes))

@@ -10,6 +10,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from dynctl import sglang
+from dynctl.cli import fleet as fleet_cli
 from dynctl.cli.common import ConfigOpt, HostOpt, JsonOpt, console, handle_errors, open_host
 from dynctl.config import load_config
 from dynctl.errors import DynctlError
@@ -54,8 +55,12 @@ def status(
     host: str = HostOpt,
     config: str = ConfigOpt,
     as_json: bool = JsonOpt,
+    hosts: str = fleet_cli.HostsOpt,
+    concurrency: int = fleet_cli.ConcurrencyOpt,
 ) -> None:
-    """One screen: host, sglang version and path, strategy, patch state, server state, GPUs."""
+    """One screen: host, sglang version and path, strategy, patch state, server state, GPUs (a group: a row each)."""
+    if found := fleet_cli.target(host, hosts, config):
+        return fleet_cli.status(found, as_json, concurrency)
     session = open_host(host, config)
     info = describe_host(session.host, session.agent)
     report: dict[str, Any] = {"host": info.to_dict()}

@@ -57,7 +57,11 @@ def list_ops(
     limit: int = typer.Option(20, "--limit", "-n", min=1, help="How many of the newest to show."),
     as_json: bool = JsonOpt,
 ) -> None:
-    """The newest operations on the host: id, kind, who, when, and how each ended."""
+    """The newest operations on the host: id, kind, who, when, and how each ended (a group: its rollouts)."""
+    from dynctl.cli import fleet as fleet_cli
+
+    if fleet_cli.target(host, None, config):
+        return fleet_cli.list_rollouts(host, limit, as_json)
     session = open_host(host, config)
     ops = session.agent.call("op_list", limit=limit)["ops"]
     if as_json:
@@ -74,3 +78,15 @@ def list_ops(
         table.add_row(o["id"], o.get("kind") or "", o.get("who") or "", str(o.get("received") or "")[:19],
                       o.get("state") or "")
     console.print(table)
+
+
+@app.command("rollouts")
+@handle_errors
+def rollouts(
+    limit: int = typer.Option(20, "--limit", "-n", min=1, help="How many of the newest to show."),
+    as_json: bool = JsonOpt,
+) -> None:
+    """The rolling deploys and rollbacks started from this client, each with its hosts' states."""
+    from dynctl.cli import fleet as fleet_cli
+
+    fleet_cli.list_rollouts(None, limit, as_json)

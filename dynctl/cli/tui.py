@@ -28,6 +28,12 @@ def register(app: typer.Typer) -> None:
         if not 0.1 <= interval <= 60:
             raise UsageError(f"--interval must be between 0.1 and 60 seconds, got {interval:g}")
         cfg = load_config(config)
+        if host and len(host) == 1 and host[0] in cfg.groups:
+            if not (sys.stdin.isatty() and sys.stdout.isatty()):
+                raise UsageError("dynctl tui needs a terminal; use `dynctl status --host GROUP --json` in scripts")
+            from dynctl.cli.fleet import run_fleet_screen
+
+            return run_fleet_screen(cfg, host[0], read_only=read_only, interval=interval)
         names = list(dict.fromkeys(host)) if host else (list(cfg.hosts) or [cfg.host(None).name])
         hosts = [cfg.host(name) for name in names]  # an unknown name is a config error naming the file
         if not (sys.stdin.isatty() and sys.stdout.isatty()):

@@ -14,6 +14,7 @@ from typing import Any, AsyncIterator
 
 from dynctl.sim.httpserver import HttpRequest, Response, Router, StreamResponse
 from dynctl.sim.metrics import CONTENT_TYPE, ServerMetrics
+from dynctl.sim import sgltree
 from dynctl.sim.tokenizer import ServerStatus, TokenizerManager
 
 # AuthLevel.ADMIN_OPTIONAL endpoints (http_server.py) among those served here
@@ -97,6 +98,8 @@ class Api:
         r.add(("GET", "POST"), "/flush_cache", self.flush_cache)
         r.add(("POST",), "/v1/completions", self.completions)
         r.add(("GET",), "/v1/models", self.models)
+        if sgltree.version_tuple(self.tokenizer.version) >= (0, 5, 8):  # entrypoints/v1_loads.py is new in 0.5.8
+            r.add(("GET",), "/v1/loads", self.loads)
         if self.metrics is not None:
             r.add(("GET",), "/metrics", self.prometheus)
         return r
@@ -148,6 +151,44 @@ class Api:
         tm = self.tokenizer
         return _json({**tm.server_args, **tm.scheduler_info, "internal_states": [tm.internal_state()],
                       "version": tm.version})
+
+    async def loads(self, request: HttpRequest) -> Response:
+        """/v1/loads (entrypoints/v1_loads.py, Scheduler.get_loads): one DP rank, the sections asked for."""
+        query = dict(p.partition("=")[::2] for p in (request.query or "").split("&") if p)
+        include = {s.strip() for s in query["include"].replace("%2C", ",").split(",")} if query.get("include") else {"all"}
+        invalid = include - {"core", "memory", "spec", "lora", "disagg", "queues", "all"}
+        if invalid:
+            return _json({"detail": f"Invalid include sections: {invalid}. Valid options: "
+                                    "['all', 'core', 'disagg', 'lora', 'memory', 'queues', 'spec']"}, 400)
+        every = "all" in include
+        b = self.tokenizer.batcher
+        running, waiting = len(b.running), len(b.waiting)
+        load: dict[str, Any] = {
+            "dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": waiting,
+            "num_used_tokens": b.used_tokens, "max_total_num_tokens": b.max_total_num_tokens,
+            "token_usage": round(b.token_usage(), 4), "gen_throughput": round(b.last_gen_throughput, 2),
+            "cache_hit_rate": 0.0, "utilization": round(b.token_usage(), 4),
+            "max_running_requests": b.max_running_requests,
+        }
+        # memory: sglang leaves the section out where the model runner has no memory figures, as here
+        if (every or "spec" in include) and b.spec_total_num_forward_ct > 0:
+            length = b.spec_total_num_accepted_tokens / b.spec_total_num_forward_ct
+            load["speculative"] = {"accept_length": length, "accept_rate": b.accept_rate}
+        if every or "disagg" in include:
+            load["disaggregation"] = {"mode": "null", "prefill_prealloc_queue_reqs": 0,
+                                      "prefill_inflight_queue_reqs": 0, "decode_prealloc_queue_reqs": 0,
+                                      "decode_transfer_queue_reqs": 0, "decode_retracted_queue_reqs": 0,
+                                      "kv_transfer_speed_gb_s": 0.0, "kv_transfer_latency_ms": 0.0}
+        if every or "queues" in include:
+            load["queues"] = {"waiting": waiting, "grammar": 0, "paused": 0, "retracted": 0}
+        load["num_total_reqs"] = running + waiting
+        return _json({
+            "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()),
+            "version": self.tokenizer.version, "dp_rank_count": 1, "loads": [load],
+            "aggregate": {"total_running_reqs": running, "total_waiting_reqs": waiting, "total_reqs": running + waiting,
+                          "avg_token_usage": load["token_usage"], "avg_throughput": load["gen_throughput"],
+                          "avg_utilization": load["utilization"]},
+        })
 
     async def set_internal_state(self, request: HttpRequest) -> Response:
         body, error = _body_object(request)

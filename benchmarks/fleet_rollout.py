@@ -1,0 +1,211 @@
+"""A fleet of demo hosts over one loopback sshd: fan-out status of 8 and 32 hosts, and a rolling deploy of 8
+hosts behind a real smg gateway with clients streaming through it.
+
+Reported:
+  status         wall time of `status --host GROUP` (connections included) against the slowest single host's
+                 `status` alone (target <= 1.5x)
+  rollout        total wall time; per host its own drain (the gateway's settle time) + stop + start→ready, and
+                 dynctl's overhead per host = the host's time in the rollout - that (target <= 1 s)
+  requests       streamed through the gateway during the rollout: completed, failed, cut short (target 0)
+
+    .venv/bin/python benchmarks/fleet_rollout.py [--hosts 8] [--status-hosts 32] [--time-scale 20] [--drain 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+from dynctl import events  # noqa: E402
+from dynctl.agent import AgentClient  # noqa: E402
+from dynctl.config import load_config  # noqa: E402
+from dynctl.fleet import fan_out, fleet_status, fleet_target  # noqa: E402
+from dynctl.lifecycle import restart_server, server_argv  # noqa: E402
+from dynctl.rollout import RollingOperation  # noqa: E402
+from dynctl.server_status import sample_server  # noqa: E402
+from dynctl.sim.hostsetup import install_nvidia_smi, prepare_demo_host  # noqa: E402
+from dynctl.transport import close_all, connect  # noqa: E402
+from fleet_harness import SMG, Traffic  # noqa: E402
+from sglang_trees import sglang_wheel  # noqa: E402
+from sshd_harness import free_port, start_fake_host, toml_value  # noqa: E402
+
+
+class HostSteps:
+    """StepDone events of the rollout, summed per host (the rollout prefixes each detail with its host)."""
+
+    def __init__(self) -> None:
+        self.steps: dict[str, dict[str, float]] = {}
+
+    def __call__(self, event: object) -> None:
+        if isinstance(event, events.StepDone) and ": " in event.detail:
+            host = event.detail.split(": ", 1)[0]
+            per = self.steps.setdefault(host, {})
+            per[event.step] = per.get(event.step, 0.0) + event.elapsed
+
+
+def make_hosts(tmp: Path, fh, count: int, own_sites: int, time_scale: float) -> dict[str, dict]:
+    """`count` demo hosts on the sshd; the first `own_sites` with a tree of their own (they get deployed to),
+    the rest sharing the first tree (they are only sampled)."""
+    entries: dict[str, dict] = {}
+    first = None
+    for i in range(1, count + 1):
+        root = tmp / f"h{i:02d}"
+        if i <= own_sites:
+            if first is not None:
+                shutil.copytree(first / "site", root / "site", symlinks=True)
+            entry = prepare_demo_host(root, port=free_port(), cache_dir=sglang_wheel("0.5.9").parent,
+                                      time_scale=time_scale)
+            first = first or root
+        else:
+            entry = json.loads(json.dumps(entries["h01"]))
+            for sub in ("work", "gpu", "bin"):
+                (root / sub).mkdir(parents=True, mode=0o700)
+            shutil.copy(first / "gpu" / "gpus.json", root / "gpu" / "gpus.json")
+            install_nvidia_smi(root / "bin" / "nvidia-smi", root / "gpu")
+            entry.update(workdir=str(root / "work"), port=free_port())
+            entry["env"].update(PATH=f"{root / 'bin'}:${{PATH}}", DYNCTL_SIM_GPU_DIR=str(root / "gpu"))
+        entry.update(ssh=fh.target)
+        entries[f"h{i:02d}"] = entry
+    return entries
+
+
+def write_config(fh, path: Path, entries: dict[str, dict], groups: dict[str, list[str]], gateway: str) -> Path:
+    fh.write_config(path, entries)
+    lines = [path.read_text()]
+    for name, members in groups.items():
+        lines += [f"\n[groups.{name}]", f"hosts = {toml_value(members)}"]
+        if name == "roll":
+            lines.append(f"gateway = {toml_value(gateway)}")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def timed_status(config, group: str, runs: int = 3) -> float:
+    times = []
+    for _ in range(runs):
+        close_all()
+        fleet = fleet_target(config, group, None)
+        t0 = time.perf_counter()
+        rows, _ = fleet_status(fleet, config)
+        times.append(time.perf_counter() - t0)
+        bad = [r.host for r in rows if not r.ok]
+        assert not bad, f"no answer from {bad}"
+    return statistics.median(times)
+
+
+def single_status(config, name: str) -> float:
+    close_all()
+    host = config.hosts[name]
+    t0 = time.perf_counter()
+    sample_server(AgentClient(connect(host, config), host), host.simulated)
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hosts", type=int, default=8)
+    ap.add_argument("--status-hosts", type=int, default=32)
+    ap.add_argument("--time-scale", type=float, default=20.0)
+    ap.add_argument("--drain", type=float, default=2.0)
+    ap.add_argument("--streams", type=int, default=8)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="bench-fleet-"))
+    fh = start_fake_host(tmp / "sshd", marker=f"bench-fleet-{time.time_ns()}", max_sessions=64)
+    smg = None
+    report: dict = {}
+    entries: dict[str, dict] = {}
+    try:
+        n_status = max(args.status_hosts, args.hosts)
+        entries = make_hosts(tmp, fh, n_status, args.hosts, args.time_scale)
+        names = list(entries)
+        gateway = f"http://127.0.0.1:{free_port()}"
+        groups = {"roll": names[:args.hosts], "eight": names[:8], "all": names}
+        config = load_config(write_config(fh, tmp / "dynctl.toml", entries, groups, gateway))
+        fan_out(names, lambda n: restart_server(AgentClient(connect(config.hosts[n], config), config.hosts[n]),
+                                                server_argv(config.hosts[n])), 4)
+        singles = [single_status(config, n) for n in names[:8]]
+        report["status_single_slowest_s"] = max(singles)
+        report["status_single_median_s"] = statistics.median(singles)
+        report["status_8_s"] = timed_status(config, "eight")
+        report[f"status_{n_status}_s"] = timed_status(config, "all")
+        # the rollout's hosts only, from here on
+        close_all()
+        fan_out(names[args.hosts:], lambda n: AgentClient(connect(config.hosts[n], config), config.hosts[n]).call(
+            "server_stop", grace=10), 4)
+        urls = [config.hosts[n].gateway_url for n in names[:args.hosts]]
+        smg = subprocess.Popen([SMG, "launch", "--host", "127.0.0.1", "--port", gateway.rsplit(":", 1)[1],
+                                "--policy", "round_robin", "--prometheus-host", "127.0.0.1", "--prometheus-port",
+                                str(free_port()), "--worker-urls", *urls], stdin=subprocess.DEVNULL,
+                               stdout=open(tmp / "smg.log", "wb"), stderr=subprocess.STDOUT, start_new_session=True)
+        import httpx
+
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                ws = httpx.get(f"{gateway}/workers", timeout=5).json()["workers"]
+                if sum(w["status"].lower() == "ready" for w in ws) == len(urls):
+                    break
+            except (httpx.HTTPError, ValueError, KeyError):
+                pass
+            if time.monotonic() > deadline:
+                raise SystemExit("smg did not list every worker ready in 60 s")
+            time.sleep(0.2)
+        close_all()
+        fleet = fleet_target(config, "roll", None)
+        clock = HostSteps()
+        op = RollingOperation(config, fleet, "deploy", 5, on_event=clock, soak=0, drain=args.drain, grace=20)
+        with Traffic(gateway, args.streams) as load:
+            t0 = time.perf_counter()
+            record, results = op.run(lambda q: None)
+            total = time.perf_counter() - t0
+        op.close()
+        rows = []
+        for r in results:
+            steps = clock.steps.get(r.host, {})
+            own = r.drain_s + steps.get("stop", 0) + steps.get("start", 0) + steps.get("health", 0)
+            rows.append({"host": r.host, "outcome": r.outcome, "elapsed_s": r.elapsed_s, "drain_s": r.drain_s,
+                         "stop_s": steps.get("stop", 0), "start_ready_s": steps.get("start", 0) + steps.get("health", 0),
+                         "own_s": own, "overhead_s": r.elapsed_s - own,
+                         "host_op_own_s": r.operation_s - steps.get("stop", 0) - steps.get("start", 0)
+                         - steps.get("health", 0), "register_s": r.register_s})
+        report.update(rollout_total_s=total, rollout_sum_own_s=sum(r["own_s"] for r in rows),
+                      rollout_overhead_per_host_median_s=statistics.median(r["overhead_s"] for r in rows),
+                      rollout_overhead_per_host_max_s=max(r["overhead_s"] for r in rows),
+                      rollout_state=record.state, requests_completed=load.done, requests_failed=len(load.failures),
+                      requests_cut=len(load.cut), hosts=rows)
+    finally:
+        if smg is not None:
+            smg.terminate()
+            smg.wait(20)
+        close_all()
+        for name, entry in entries.items():
+            try:
+                host = load_config(tmp / "dynctl.toml").hosts[name]
+                AgentClient(connect(host, load_config(tmp / "dynctl.toml")), host).call("server_stop", grace=10)
+            except Exception:  # noqa: BLE001 - best effort: every server is ours, stopped through its own record
+                pass
+        close_all()
+        fh.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+    for r in report.get("hosts", []):
+        print(f"{r['host']:<5}{r['outcome']:<10} total {r['elapsed_s']:6.2f}  drain {r['drain_s']:5.2f}  stop "
+              f"{r['stop_s']:5.2f}  start→ready {r['start_ready_s']:5.2f}  overhead {r['overhead_s']:5.2f} s (host "
+              f"operation's own {r['host_op_own_s']:4.2f}, re-register+ready+probe {r['register_s']:4.2f})")
+    print(json.dumps({k: v for k, v in report.items() if k != "hosts"}, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

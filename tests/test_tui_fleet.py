@@ -1,0 +1,133 @@
+"""The fleet screen of `dynctl tui --host GROUP` under Pilot: a row per host with its gateway entry, totals,
+Enter to a host's dashboard and Escape back, a rolling deploy behind the threshold dialog, host by host."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+from textual.widgets import DataTable, Static
+from tui_harness import T0, PushFeed, RecordingActions
+from watch_items import item
+
+from dynctl import events
+from dynctl.rollout import HostResult
+from dynctl.tui.fleet import create_fleet_app, fleet_totals, host_row
+from dynctl.tui.modals import ThresholdModal
+from dynctl.tui.widgets import HeaderBar
+
+HOSTS = ["h1", "h2", "h3"]
+
+
+class World:
+    def __init__(self, read_only: bool = False) -> None:
+        self.feed: PushFeed | None = None
+        self.calls: list[Any] = []
+        self.rollouts: list[tuple[str, Any]] = []
+        self.gate = threading.Event()
+
+        def feed_factory(on_update):
+            self.feed = PushFeed(HOSTS, on_update)
+            return self.feed
+
+        def rollout(action: str, arg: Any, on_event) -> list[HostResult]:
+            self.rollouts.append((action, arg))
+            on_event(events.StepStarted("drain", "h1: out of http://gw"))
+            assert self.gate.wait(10)
+            on_event(events.StepDone("deploy", 1.0, "h1: threshold 5"))
+            return [HostResult("h1", "deployed"), HostResult("h2", "failed"), HostResult("h3", "untouched")]
+
+        self.app = create_fleet_app(
+            "prod", HOSTS, feed_factory, lambda h: RecordingActions(h, self.calls),
+            gateways=lambda: {"h1": {"status": "ready", "load": 2}, "h2": {"status": "draining", "load": 0},
+                              "h3": {"error": "gateway down"}},
+            rollout=rollout, read_only=read_only, clock=lambda: T0 + 30)
+
+    def push(self, host: str, running: int, threshold: int = 5) -> None:
+        assert self.feed is not None
+        self.feed.push_item(item(T0, 1, running, threshold=threshold), host)
+
+
+def cells(app, host: str) -> list[str]:
+    table = app.fleet.query_one(DataTable)
+    return [str(c) for c in table.get_row(host)]
+
+
+async def settle(pilot, cond, what: str) -> None:
+    for _ in range(200):
+        if cond():
+            return
+        await pilot.pause(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.mark.asyncio
+async def test_a_row_per_host_with_its_gateway_and_totals_on_top():
+    w = World()
+    async with w.app.run_test(size=(160, 40)) as pilot:
+        await settle(pilot, lambda: w.app.screen is getattr(w.app, "fleet", None), "the fleet screen on top")
+        w.push("h1", 7)
+        w.push("h2", 3)
+        await settle(pilot, lambda: cells(w.app, "h1")[4] == "7 / 5" and "load 2" in cells(w.app, "h1")[8],
+                     "h1's row")
+        row = cells(w.app, "h1")
+        assert row[:2] == ["h1", "ready"] and row[3] == "5"
+        assert cells(w.app, "h2")[8] == "draining load 0"
+        assert cells(w.app, "h3")[1] == "waiting" and cells(w.app, "h3")[8] == "unreachable"
+        totals = str(w.app.fleet.query_one("#fleet-totals", Static).render())
+        assert "3 hosts, 2 ready, 1 not answering" in totals and "10 running" in totals
+
+
+@pytest.mark.asyncio
+async def test_enter_opens_the_host_dashboard_and_escape_returns():
+    w = World()
+    async with w.app.run_test(size=(160, 40)) as pilot:
+        await settle(pilot, lambda: w.app.screen is getattr(w.app, "fleet", None), "the fleet screen on top")
+        w.push("h2", 3)
+        assert w.app.screen is w.app.fleet
+        await pilot.press("down", "enter")
+        await settle(pilot, lambda: w.app.screen is w.app.dashboard, "the dashboard")
+        assert w.app.current == "h2" and w.app.dashboard.query_one(HeaderBar).host == "h2"
+        await pilot.press("escape")
+        await settle(pilot, lambda: w.app.screen is w.app.fleet, "the fleet screen")
+
+
+@pytest.mark.asyncio
+async def test_rolling_deploy_asks_the_threshold_and_shows_each_host():
+    w = World()
+    async with w.app.run_test(size=(160, 40)) as pilot:
+        await settle(pilot, lambda: w.app.screen is getattr(w.app, "fleet", None), "the fleet screen on top")
+        await pilot.press("d")
+        await settle(pilot, lambda: isinstance(w.app.screen, ThresholdModal), "the threshold dialog")
+        await pilot.press("5", "enter")
+        await settle(pilot, lambda: cells(w.app, "h1")[9] == "drain…", "h1 draining")
+        assert cells(w.app, "h2")[9] == "pending"
+        w.gate.set()
+        await settle(pilot, lambda: cells(w.app, "h2")[9] == "failed", "the rollout's end")
+        assert w.rollouts == [("deploy", 5)]
+        assert [cells(w.app, h)[9] for h in HOSTS] == ["deployed", "failed", "untouched"]
+        assert w.calls == []  # the one-host actions were not used
+
+
+@pytest.mark.asyncio
+async def test_read_only_has_no_rollout_keys():
+    w = World(read_only=True)
+    async with w.app.run_test(size=(160, 40)) as pilot:
+        await settle(pilot, lambda: w.app.screen is getattr(w.app, "fleet", None), "the fleet screen on top")
+        await pilot.press("d")
+        await pilot.pause(0.1)
+        assert w.app.screen is w.app.fleet and w.rollouts == []
+
+
+def test_rows_and_totals_are_pure_functions_of_the_snapshots():
+    from dynctl.snapshot import HostSnapshot
+
+    snap = HostSnapshot("a", T0, state="ready", threshold=5, running_reqs=2, speculation=True, gen_throughput=812.4,
+                        release="20261201T1200-abc")
+    assert host_row("a", snap, {"status": "ready", "load": 1}, "") == (
+        "a", "ready", "20261201T1200-abc", "5", "2 / 5", "ON", "812", "-", "ready load 1", "")
+    assert host_row("b", None, None, "pending")[1] == "waiting"
+    down = HostSnapshot("c", T0, connected=False)
+    assert host_row("c", down, None, "")[1] == "disconnected"
+    assert fleet_totals("prod", {"a": snap, "c": down}).startswith("fleet prod: 2 hosts, 1 ready, 1 not answering")
