@@ -6,6 +6,7 @@ import importlib.util
 import json
 import random
 import re
+from pathlib import Path
 from importlib import resources
 
 import pytest
@@ -29,15 +30,24 @@ def test_the_shipped_table_is_the_h200_run():
 
 
 @pytest.mark.parametrize("kind, expected", [
-    # the H200 table's tok/s (sweeps nospec, eagle3, skip-t0) at concurrency 1, 8, 64, 256
+    # the H200 table's tok/s (sweeps nospec, eagle3) at concurrency 1, 8, 64, 256
     (PLAIN, {1: 247.4, 8: 1859.7, 64: 11728.7, 256: 21565.3}),
     (SPECULATE, {1: 439.6, 8: 1922.5, 64: 8282.2, 256: 11659.4}),
-    (SKIP, {1: 234.0, 8: 1763.7, 64: 10655.5, 256: 21004.9}),
 ])
 def test_a_closed_loop_on_the_model_serves_the_tables_tok_s(kind, expected):
     """Decode steps plus the prefills of the requests they finish, at the measured workload."""
     for c, tok_s in expected.items():
         assert COSTS.closed_loop_tok_s(c, kind, *WORKLOAD) == pytest.approx(tok_s, rel=0.001), (kind, c)
+
+
+def test_a_disabled_step_costs_the_plain_step_times_its_measured_step_ratio():
+    """The disabled rows come from the per-step measurement of the current patch on the same shape."""
+    steady = json.loads((Path(__file__).resolve().parent.parent / "benchmarks" / "gpu" / "results"
+                         / "0.5.12.post1-5.9b-steady.json").read_text())["summary"]
+    ratios = dict(zip(steady["levels"], steady["step_ratio_vs_no_spec"]["threshold_0"]))
+    for batch, ratio in ratios.items():
+        assert COSTS.decode_step_seconds(batch, SKIP) == pytest.approx(
+            COSTS.decode_step_seconds(batch, PLAIN) * ratio, rel=1e-4), batch
 
 
 def test_decode_steps_are_cheaper_than_the_measured_step_ms_by_the_prefills():
@@ -62,7 +72,7 @@ def test_speculation_beats_the_patchs_disabled_steps_up_to_8_and_loses_from_16()
     """The GPU run recommended threshold 8: EAGLE-3 ahead at 1-8 streams, behind from 16 on."""
     ratio = {c: COSTS.closed_loop_tok_s(c, SPECULATE, *WORKLOAD) / COSTS.closed_loop_tok_s(c, SKIP, *WORKLOAD)
              for c in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
-    assert all(ratio[c] > 1.05 for c in (1, 2, 4, 8)), ratio
+    assert all(ratio[c] > 1.02 for c in (1, 2, 4, 8)), ratio
     assert all(ratio[c] < 0.95 for c in (16, 32, 64, 128, 256)), ratio
 
 

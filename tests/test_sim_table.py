@@ -8,9 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "gpu" / "sim_table.py"
 RESULTS = ROOT / "benchmarks" / "gpu" / "results" / "0.5.12.post1.json"
+# disabled steps per step on the same 5.9 B shape, measured with the current patch
+STEADY = ROOT / "benchmarks" / "gpu" / "results" / "0.5.12.post1-5.9b-steady.json"
 TABLE = ROOT / "dynctl" / "sim" / "gpu_table.json"
 
 
@@ -21,16 +25,18 @@ def sim_table(*args: str) -> subprocess.CompletedProcess:
 
 def test_the_committed_table_is_the_scripts_output_for_the_committed_results(tmp_path):
     out = tmp_path / "table.json"
-    done = sim_table(RESULTS, "--out", out)
+    done = sim_table(RESULTS, "--steady", STEADY, "--out", out)
     assert done.returncode == 0, done.stderr
     assert out.read_text() == TABLE.read_text()
-    assert sim_table(RESULTS, "--check").returncode == 0
+    assert sim_table(RESULTS, "--steady", STEADY, "--check").returncode == 0
+    # without the steady file the disabled rows are the older closed-loop sweep's: not the committed table
+    assert sim_table(RESULTS, "--check").returncode == 1
 
 
 def test_check_reports_a_stale_table(tmp_path):
     stale = tmp_path / "table.json"
     stale.write_text(TABLE.read_text().replace('"date": "2026-11-30"', '"date": "2026-11-29"'))
-    done = sim_table(RESULTS, "--check", "--out", stale)
+    done = sim_table(RESULTS, "--steady", STEADY, "--check", "--out", stale)
     assert done.returncode == 1 and "is not what" in done.stderr and "run without --check" in done.stderr
 
 
@@ -44,7 +50,14 @@ def test_the_table_says_where_it_comes_from_and_what_its_columns_mean():
     assert source["recommended_threshold"] == 8 and "--speculative-num-steps" in source["flags"]
     assert table["workload"] == {"prompt_tokens_mean": 65.031, "new_tokens": 128}
     assert {kind: t["sweep"] for kind, t in table["kinds"].items()} == {
-        "plain": "nospec", "speculate": "eagle3", "skip": "skip-t0"}
+        "plain": "nospec", "speculate": "eagle3", "skip": "nospec x steady threshold_0/no_spec"}
+    steady = source["steady"]
+    assert steady["results"] == "benchmarks/gpu/results/0.5.12.post1-5.9b-steady.json"
+    assert steady["runs"] == ["2026-12-01-9-lean-plain-step-5.9b-0.5.12"]
+    assert (steady["model"]["hidden"], steady["model"]["layers"]) == (4096, 32)
+    plain = {r["batch"]: r["decode_ms"] for r in table["kinds"]["plain"]["rows"]}
+    for row in table["kinds"]["skip"]["rows"]:
+        assert row["decode_ms"] == pytest.approx(plain[row["batch"]] * row["step_ratio"], abs=1e-4)
     for kind in table["kinds"].values():
         assert [r["batch"] for r in kind["rows"]] == [1, 2, 4, 8, 16, 32, 64, 128, 256]
         for row in kind["rows"]:
