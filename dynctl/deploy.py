@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from dynctl import events, operations, sglang
+from dynctl import adoption, events, operations, sglang
 from dynctl.agent import AgentClient
 from dynctl.config import HostConfig
 from dynctl.errors import PreflightError
@@ -75,11 +75,18 @@ class DeployPlan:
                 f"against the launch argv below: {op.get('argv_diff') or '?'}")
 
 
-def plan_deploy(agent: AgentClient, host: HostConfig, threshold: Any) -> DeployPlan:
-    """Inspect the host and work out what deploying `threshold` means there; changes nothing."""
+def plan_deploy(agent: AgentClient, host: HostConfig, threshold: Any, use_config_args: bool = False) -> DeployPlan:
+    """Inspect the host and work out what deploying `threshold` means there; changes nothing.
+
+    The launch builds on the operator's own (the server being taken over, else the adopted baseline) with
+    dynctl's flags set; the configured launch and `args` replace it only with `use_config_args`."""
     threshold = parse_threshold(threshold)
     baseline = server_argv(host)
     context = agent.call("deploy_context", files=target_files())  # one round trip for the whole plan
+    base = None if use_config_args else adoption.launch_base(context)
+
+    def launch(extra: list[str]) -> list[str]:
+        return server_argv(host, extra) if base is None else adoption.adopted_launch(base[0], extra)
     _refuse_busy(agent, context["holder"])
     state = patch_state_from(context["patch"], host.strategy)
     if state.version is None:
@@ -92,19 +99,23 @@ def plan_deploy(agent: AgentClient, host: HostConfig, threshold: Any) -> DeployP
             files: list[dict[str, Any]] = []
         else:
             files = plan.files_for_agent()
-        argv = server_argv(host, [THRESHOLD_FLAG, str(threshold)])
+        argv = launch([THRESHOLD_FLAG, str(threshold)])
         dplan = DeployPlan(host, state.version, strategy, threshold, files, plan.diff(), argv, baseline,
                            patch_detail=plan.message)
     else:
-        native = plan_native(threshold, args=host.args, config_path="{release_dir}/" + ADAPTIVE_CONFIG)
+        args = host.args if base is None else adoption.without_own_flags(base[0])
+        native = plan_native(threshold, args=args, config_path="{release_dir}/" + ADAPTIVE_CONFIG)
         artifacts = {ADAPTIVE_CONFIG: native.config_json} if native.config_json else {}
-        argv = server_argv(host, native.argv)
+        argv = launch(list(native.argv))
         diff = "" if not artifacts else f"--- /dev/null\n+++ b/{ADAPTIVE_CONFIG}\n" + "".join(
             f"+{line}\n" for line in native.config_json.splitlines())
         dplan = DeployPlan(host, state.version, strategy, threshold, [], diff, argv, baseline, artifacts,
                            list(native.warnings), patch_detail=state.detail,
                            effective_threshold=native.effective_threshold)
     dplan.noop = _already_deployed(dplan, state.release, context["info"])
+    if base is not None:
+        dplan.warnings.append(f"the launch argv builds on {base[1]}, keeping its own flags; --use-config-args "
+                              f"launches the configured args instead")
     operator = context.get("operator")
     if operator:
         dplan.operator = dict(operator, argv_diff=_argv_diff(operator.get("cmdline") or [], argv))
@@ -168,12 +179,12 @@ class DeployOutcome:
 def deploy_threshold(agent: AgentClient, host: HostConfig, threshold: Any, on_event: events.EventSink = events.ignore,
                      confirm: Confirm = proceed, *, dry_run: bool = False, grace: float = 60.0,
                      ready_timeout: float = 900.0, soak: float = DEFAULT_SOAK_S,
-                     adopt: Adopt = never_adopt) -> DeployOutcome:
+                     adopt: Adopt = never_adopt, use_config_args: bool = False) -> DeployOutcome:
     """`dynctl deploy` and the TUI's `d`: plan, warn, stop at a dry run or at nothing to do, confirm, deploy.
 
     The operator's server on the port (not started by dynctl) is taken over only on the operator's word for
     it (`adopt`); without it the deploy is refused before anything changes (exit 3)."""
-    plan = plan_deploy(agent, host, threshold)
+    plan = plan_deploy(agent, host, threshold, use_config_args)
     for warning in plan.warnings:
         on_event(events.Warning(warning))
     if dry_run:

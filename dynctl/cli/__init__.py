@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from dynctl import __version__
+from dynctl.cli import adopt as adopt_cli
 from dynctl.cli import bench as bench_cli
 from dynctl.cli import demo as demo_cli
 from dynctl.cli import deploy as deploy_cli
@@ -40,6 +41,7 @@ demo_cli.register(app)
 deploy_cli.register(app)
 hosts_cli.register(app)
 lifecycle_cli.register(app)
+adopt_cli.register(app)
 tui_cli.register(app)
 bench_cli.register(app)
 app.add_typer(patch_cli.app, name="patch")

@@ -52,6 +52,9 @@ def deploy(
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the diff and the launch argv; change nothing."),
     yes: bool = YesOpt,
     adopt: bool = AdoptOpt,
+    use_config_args: bool = typer.Option(False, "--use-config-args",
+                                         help="Launch the configured launch and args, not the operator's own launch "
+                                              "of the adopted (or taken-over) server."),
     grace: float = GraceOpt,
     ready_timeout: float = ReadyTimeoutOpt,
     soak: float = SoakOpt,
@@ -64,7 +67,8 @@ def deploy(
     t0 = time.monotonic()
     done = core.deploy_threshold(session.agent, session.host, threshold, EventPrinter(quiet=as_json, verbose=verbose),
                                  lambda question: confirm(question, yes), dry_run=dry_run, grace=grace,
-                                 ready_timeout=ready_timeout, soak=soak, adopt=adopt_word(adopt, yes))
+                                 ready_timeout=ready_timeout, soak=soak, adopt=adopt_word(adopt, yes),
+                                 use_config_args=use_config_args)
     plan = done.plan
     if dry_run:
         _print_plan(session.host.name, plan, as_json)

@@ -392,4 +392,5 @@ def deploy_context(ctx, files=(), **_):
         operator = {k: not_ours[k] for k in ("pid", "start", "cmdline", "uid", "owner", "adoptable", "hint")}
     return {"holder": lock.live_holder(ctx), "patch": patch.patch_read(ctx, files=files),
             "info": serverinfo.server_info(ctx) if loc["server"] is not None else None,
-            "not_ours": not_ours and not_ours["text"], "operator": operator}
+            "not_ours": not_ours and not_ours["text"], "operator": operator,
+            "adopted": releases.adopted_summary(ctx)}

@@ -142,7 +142,10 @@ _RESTART_PARAMS = {"argv": None, "env": None, "release": None, "grace": 60, "rea
 
 def server_logs(ctx, lines=200, **extra):
     _no_extra("server_logs", extra)
-    path = ctx.path(servers.LOG)
+    path = servers.log_path(ctx)
+    if path is None:
+        return {"path": None, "exists": False, "lines": [], "note": "the adopted server writes no log file dynctl "
+                                                                    "can read (its output goes to a terminal)"}
     return {"path": path, "exists": os.path.isfile(path), "lines": startup.log_tail(path, int(lines))}
 
 

@@ -210,7 +210,7 @@ def adopted_summary(ctx):
     if rec is None:
         return None
     return {"pid": rec.get("pid"), "argv": rec["argv"], "cwd": rec.get("cwd"), "env_keys": sorted(rec.get("env") or {}),
-            "adopted": rec.get("adopted"), "who": rec.get("who")}
+            "log": rec.get("log"), "python": rec.get("python"), "adopted": rec.get("adopted"), "who": rec.get("who")}
 
 
 def record_adopted(ctx, launch):

@@ -195,6 +195,8 @@ def locate(ctx):
             server = dict(pid=pid, start=st["start"], sid=st["sid"], source="pidfile",
                           marker=rec.get("marker"), argv=procfs.cmdline(pid))
     leftovers = _leftovers(table, rec) if rec and rec.get("pid") and server is None else {}
+    if server is None:
+        server = adopted_in_place(ctx, table)
     live = {p: st for p, st in table.items() if st["state"] not in ("Z", "X") and p not in leftovers}
     listeners = procfs.listening_pids(ctx.port)
     operator, op_tree = None, {}
@@ -218,6 +220,43 @@ def locate(ctx):
         operator["tree"] = op_tree
     return {"server": server, "record": rec, "pidfile": note, "tree": tree, "leftovers": leftovers,
             "operator": operator, "foreign": foreign, "unmanaged": unmanaged}
+
+
+def adopted_in_place(ctx, table):
+    """The server `dynctl adopt` took over without a restart, while it is the very process recorded (pid, start
+    time, command line, our uid): ours from then on, so stop, restart and status need no second word for it."""
+    rec = releases.adopted(ctx)
+    if not rec or rec.get("pid") is None:
+        return None
+    pid = int(rec["pid"])
+    st = table.get(pid)
+    if st is None or st["state"] in ("Z", "X") or st["start"] != rec.get("pid_start"):
+        return None
+    if procfs.cmdline(pid) != rec["argv"] or not procfs.owned_by_us(pid):
+        return None
+    return dict(pid=pid, start=st["start"], sid=st["sid"], source="adopted", marker=None, argv=rec["argv"],
+                log=rec.get("log"))
+
+
+def own_log(pid):
+    """The regular file pid writes its stdout (else stderr) to: a hand-started server's own log, or None."""
+    for fd in (1, 2):
+        try:
+            path = os.readlink("/proc/%d/fd/%d" % (pid, fd))
+        except OSError:
+            continue
+        if path.startswith("/") and not path.endswith(" (deleted)") and os.path.isfile(path):
+            return path
+    return None
+
+
+def log_path(ctx, loc=None):
+    """The log of the server in question: an adopted server's own file (None: it writes none that dynctl can
+    read, a terminal say), else the one dynctl's starts write in workdir."""
+    server = (loc or locate(ctx))["server"]
+    if server is not None and server["source"] == "adopted":
+        return server.get("log")
+    return ctx.path(LOG)
 
 
 def _owner(pid):
@@ -355,8 +394,15 @@ def adoption(ctx, op):
     if not procfs.same(pid, op["start"]) or not argv:
         raise AgentError("pid %d exited while dynctl read its launch to adopt it; nothing was changed" % pid,
                          "preflight")
-    return {"pid": pid, "pid_start": op["start"], "argv": argv, "env": env, "cwd": cwd,
-            "adopted": store.now_iso(), "who": ctx.who}
+    return {"pid": pid, "pid_start": op["start"], "argv": argv, "env": env, "cwd": cwd, "log": own_log(pid),
+            "python": _interpreter(pid), "adopted": store.now_iso(), "who": ctx.who}
+
+
+def _interpreter(pid):
+    try:
+        return os.readlink("/proc/%d/exe" % pid)
+    except OSError:
+        return None
 
 
 def probe_host(argv):
@@ -384,7 +430,7 @@ def find(ctx):
     blocker = not_ours(ctx, loc)
     out = {"state": "down", "pid": None, "source": None, "argv": None, "uptime_s": None, "started": None,
            "release": None, "health": None, "port": ctx.port, "pidfile": loc["pidfile"],
-           "log": ctx.path(LOG), "port_owner": None,
+           "log": log_path(ctx, loc), "port_owner": None,
            "leftovers": [describe(p) for p in sorted(loc["leftovers"])],
            "unmanaged": [describe(p, s) for p, s in loc["unmanaged"].items()],
            "not_ours": blocker, "in_force": releases.launch_in_force(ctx), "adopted": releases.adopted_summary(ctx)}

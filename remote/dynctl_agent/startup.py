@@ -261,7 +261,7 @@ def wait_ready(ctx, ready_timeout=900.0, generate=True, poll=0.1):
 
 def follow_server_log(ctx, lines=20, max_seconds=None, poll=0.25):
     """Yield {"lines": [...]} as the log grows (handles rotation), with a heartbeat so a gone client ends us."""
-    path = ctx.path(servers.LOG)
+    path = servers.log_path(ctx) or os.devnull
     yield {"lines": log_tail(path, lines)}
     try:
         offset = os.path.getsize(path)
