@@ -12,7 +12,7 @@ import getpass
 import os
 
 from dynctl import sglang
-from dynctl_agent import httpclient, procfs, releases, store
+from dynctl_agent import httpclient, launchconfig, procfs, releases, store
 from dynctl_agent.protocol import AgentError
 
 PIDFILE = "server.json"
@@ -26,12 +26,7 @@ def has_marker(pid, marker):
 
 
 def argv_port(argv):
-    for i, arg in enumerate(argv):
-        if arg == "--port" and i + 1 < len(argv):
-            return argv[i + 1]
-        if arg.startswith("--port="):
-            return arg.split("=", 1)[1]
-    return None
+    return launchconfig.flag_value(argv, "--port")
 
 
 def argv_matches(cmd, argv):
@@ -62,26 +57,66 @@ def _runs_module(cmd, module):
     return False
 
 
-def _contains(cmd, part):
-    """part appears in cmd right at the start or behind an interpreter and one option."""
-    n = len(part)
-    return n > 0 and any(cmd[i:i + n] == list(part) for i in range(0, min(3, len(cmd) - n + 1)))
+def _launches(cmd, launch):
+    """cmd runs the configured `launch` (its words in order, the program by path or name), directly or behind
+    the interpreter of a shebang: `.../sglang serve` matches `python3 .../sglang serve`, never `vllm serve`."""
+    n = len(launch)
+    for at in (0, 1):
+        head = cmd[at:at + n]
+        if len(head) == n and head[1:] == list(launch[1:]) and _same_program(head[0], launch[0]):
+            return at == 0 or _is_interpreter(cmd[0])
+    return False
 
 
-def looks_like_server(ctx, cmd):
-    """cmd runs sglang's launcher, or the configured launch command, on ctx.port."""
+def _same_program(word, program):
+    return word == program or ("/" not in program and os.path.basename(word) == program) or (
+        "/" not in word and os.path.basename(program) == word)
+
+
+def _is_interpreter(word):
+    name = os.path.basename(word)
+    return name.startswith(("python", "pypy")) or name in ("sh", "bash", "dash", "env")
+
+
+def _console_script(ctx):
+    """The `sglang` console script of the configured interpreter's environment (its bin/ folder)."""
+    python = getattr(ctx, "python", None) or "python3"
+    if "/" not in python:
+        import shutil
+
+        python = shutil.which(python) or python
+    return os.path.join(os.path.dirname(python), "sglang") if "/" in python else None
+
+
+def runs_sglang_serve(ctx, cmd):
+    """cmd is `sglang serve ...` by the console script of the configured interpreter's environment."""
+    script = _console_script(ctx)
+    return script is not None and _launches(cmd, [script, "serve"])
+
+
+def looks_like_server(ctx, cmd, pid=None):
+    """cmd runs sglang's launcher (`python -m sglang.launch_server` or `sglang serve`), or the configured launch
+    command, on ctx.port (from its argv, else the `--config` YAML it names, else sglang's default)."""
     if not cmd:
         return False
     launch = list(ctx.launch or [])
-    runs = _runs_module(cmd, sglang.LAUNCH_MODULE)
+    runs = _runs_module(cmd, sglang.LAUNCH_MODULE) or runs_sglang_serve(ctx, cmd)
     if not runs and len(launch) >= 3 and launch[-2] == "-m":
         runs = _runs_module(cmd, launch[-1])
     elif not runs and launch:
-        runs = _contains(cmd, launch[1:] or launch)
+        runs = _launches(cmd, launch)
     if not runs:
         return False
-    port = argv_port(cmd)
-    return str(ctx.port) == port if port is not None else ctx.port == sglang.DEFAULT_PORT
+    return str(ctx.port) == str(launchconfig.server_port(cmd, _cwd(pid)))
+
+
+def _cwd(pid):
+    if pid is None:
+        return None
+    try:
+        return procfs.cwd(pid)
+    except OSError:
+        return None
 
 
 def tree_of(table, pid, start, leads_session, marker):
@@ -202,7 +237,7 @@ def locate(ctx):
     operator, op_tree = None, {}
     if server is None:
         for pid in listeners:
-            if pid in live and looks_like_server(ctx, procfs.cmdline(pid)):
+            if pid in live and looks_like_server(ctx, procfs.cmdline(pid), pid):
                 operator = dict(pid=pid, start=live[pid]["start"], sid=live[pid]["sid"], source="operator",
                                 marker=None, argv=procfs.cmdline(pid), uid=(procfs.uids(pid) or (None,))[0])
                 op_tree = tree_of(table, pid, operator["start"], operator["sid"] == pid, None)
@@ -212,7 +247,7 @@ def locate(ctx):
         tree = tree_of(table, server["pid"], server["start"], server["sid"] == server["pid"], server["marker"])
         leftovers = {p: s for p, s in leftovers.items() if p not in tree}
     found = [p for p in live if p != os.getpid() and p not in tree and p not in op_tree
-             and looks_like_server(ctx, procfs.cmdline(p))]
+             and looks_like_server(ctx, procfs.cmdline(p), p)]
     found = [p for p in found if live[p]["ppid"] not in found]  # the launcher, not its children
     unmanaged = {p: live[p]["start"] for p in sorted(found, key=lambda p: live[p]["start"])}
     foreign = [p for p in listeners if p not in tree and p not in leftovers and p not in op_tree]
