@@ -67,7 +67,7 @@ def test_adopt_records_the_launch_and_leaves_the_server_running(box: Box, tmp_pa
     assert op.wait(10) == 0
     proc = psutil.Process(ready["pid"])
     assert proc.cmdline() == [sys.executable, "-m", "sglang.launch_server", "--model-path", "/models/hand", "--port",
-                              str(box.port), "--mem-fraction-static", "0.77"]
+                              str(box.port), "--max-running-requests", "64"]
     assert proc.environ()["OPERATOR_TOKEN"] == SECRET and proc.cwd() == str(tmp_path / "opcwd")
 
 

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from dynctl import sglang
 from dynctl_agent import launchconfig
 from dynctl_agent import servers as agent
 
@@ -49,18 +50,20 @@ def test_the_port_of_a_config_yaml_and_the_command_line_winning(tmp_path):
     relative = ["python3", "-m", "sglang.launch_server", "--config", "server.yaml"]
     assert launchconfig.server_port(relative, str(tmp_path)) == "30001"  # read from the server's cwd
     assert launchconfig.server_port(relative, str(tmp_path / "elsewhere")) is None  # unreadable: unknown port
-    flags = launchconfig.merged([*launch, "--speculative-num-steps", "5"])
-    assert flags["--speculative-num-steps"] == "5" and flags["--model-path"] == "/models/m"
-    assert flags["--enable-metrics"] == "true"
+    merged = launchconfig.merged_argv([*launch, "--speculative-num-steps", "5"])
+    assert merged[:6] == ["--model-path", "/models/m", "--port", "30001", "--speculative_num_steps", "3"]
+    assert merged[-2:] == ["--speculative-num-steps", "5"]  # last: the command line wins in argparse
+    with_switch = sglang.merge_config_args(launch, store_true={"enable_metrics"})
+    assert with_switch[with_switch.index("--enable-metrics") + 1] == "python3"  # a switch, not `--flag true`
 
 
 def test_the_flat_reader_agrees_with_pyyaml(tmp_path):
     import yaml
     text = ("model-path: '/models/with # hash'\nport: 30001\ntp: 8\nenable-metrics: true\ndisable-x: false\n"
             "log-level: ~\nchunked-prefill-size: 8192  # comment\nlist:\n  - a\n")
-    flat = launchconfig._flat_yaml(text, "server.yaml")
+    flat = sglang._flat_yaml(text, "server.yaml")
     real = yaml.safe_load(text)
     assert {k: v for k, v in flat.items() if k != "list"} == {
         k: (v if isinstance(v, (bool, type(None))) else str(v)) for k, v in real.items() if k != "list"}
     with pytest.raises(ValueError, match="server.yaml line 1"):
-        launchconfig._flat_yaml("just words\n", "server.yaml")
+        sglang._flat_yaml("just words\n", "server.yaml")
