@@ -411,6 +411,11 @@ def read_log(agent: AgentClient, lines: int = 100) -> list[str]:
     return list(agent.call("server_logs", lines=lines)["lines"])
 
 
+def log_utc_offset(agent: AgentClient) -> float | None:
+    """Seconds east of UTC of the host's clock, in which the server stamps its log; None from an older agent."""
+    return agent.call("server_logs", lines=0).get("utc_offset")
+
+
 def follow_log(agent: AgentClient, lines: int = 20, max_seconds: float | None = None) -> Iterator[str]:
     """The log's last lines, then new ones as they come (until the caller stops iterating)."""
     for item in agent.stream("server_logs_follow", lines=lines, max_seconds=max_seconds):

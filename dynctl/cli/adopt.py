@@ -23,10 +23,7 @@ def adopt(
     as_json: bool = JsonOpt,
 ) -> None:
     """Record the server on the port that dynctl did not start as the baseline release (argv, environment, cwd,
-    its log file) and manage it from now on; it keeps running.
-
-    Example: dynctl adopt --host glm5
-    """
+    its log file) and manage it from now on; it keeps running."""
     session = open_host(host, config)
     result = adoption.adopt(session.agent, EventPrinter(quiet=as_json), lambda question: confirm(question, yes))
     if as_json:

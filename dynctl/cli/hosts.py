@@ -11,6 +11,7 @@ from rich.table import Table
 
 from dynctl import sglang
 from dynctl.cli.common import ConfigOpt, HostOpt, JsonOpt, console, handle_errors, open_host
+from dynctl.cli.tables import print_table
 from dynctl.config import load_config
 from dynctl.errors import DynctlError
 from dynctl.inventory import HostInfo, describe_host, probe_hosts
@@ -34,17 +35,10 @@ def hosts(
     if as_json:
         console.print_json(json.dumps(sglang.redact([r.to_dict() for r in results])))
     else:
-        table = Table("host", "via", "reachable", "latency", "note", box=None, pad_edge=False)
-        for r in results:
-            note = r.error or ("simulated" if r.simulated else "")
-            table.add_row(
-                r.name,
-                r.route,
-                "[green]yes[/]" if r.reachable else "[red]no[/]",
-                f"{r.latency_ms:.1f} ms" if r.latency_ms is not None else "-",
-                note,
-            )
-        console.print(table)
+        rows = [(r.name, r.route, "yes" if r.reachable else "no",
+                 f"{r.latency_ms:.1f} ms" if r.latency_ms is not None else "-", r.error or ("simulated" if r.simulated else ""))
+                for r in results]
+        print_table(console, ("host", "via", "reachable", "latency", "note"), rows, no_wrap=("host",))
     if any(not r.reachable for r in results):
         raise typer.Exit(max(r.exit_code for r in results if not r.reachable))
 

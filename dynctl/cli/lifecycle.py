@@ -23,6 +23,7 @@ from dynctl.cli.common import (
     seconds_option,
 )
 from dynctl.cli.progress import EventPrinter
+from dynctl.logview import log_record
 
 GraceOpt = seconds_option(60.0, "--grace", 0, lifecycle.MAX_GRACE_S,
                           "Seconds the server may drain after SIGTERM before SIGKILL.")
@@ -106,15 +107,26 @@ def logs(
     config: str = ConfigOpt,
     follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing new lines (Ctrl-C ends)."),
     lines: int = typer.Option(100, "--lines", "-n", min=0, help="How many of the last lines to show."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object per line: the raw line, its time, ranks, "
+                                                       "message, and the decode or speculation fields read from it."),
 ) -> None:
-    """The server log in the host's workdir."""
+    """The server log: the one dynctl's starts write in the workdir, or an adopted server's own log file."""
     session = open_host(host, config)
+    offset = lifecycle.log_utc_offset(session.agent) if as_json else None
+
+    def show(line: str) -> None:
+        if as_json:
+            console.file.write(json.dumps(sglang.redact(log_record(line, offset))) + "\n")
+            console.file.flush()
+        else:
+            console.out(line, highlight=False)
+
     if not follow:
         for line in lifecycle.read_log(session.agent, lines):
-            console.out(line, highlight=False)
+            show(line)
         return
     try:
         for line in lifecycle.follow_log(session.agent, lines):
-            console.out(line, highlight=False)
+            show(line)
     except KeyboardInterrupt:
         pass
