@@ -28,6 +28,28 @@ from dynctl.metrics import (
 LOG_RESTARTED = "──── log restarted (new server run) ────"
 SERVER_STATES = ("down", "starting", "ready", "draining", "unresponsive", "unknown")
 _DRAIN_MARK = "SIGTERM received"  # sglang 0.5.9 tokenizer_manager.py:2502, logged when a drain begins
+# tok/s is the rate of sglang:generation_tokens_total over this window: once load stops it reads 0 within it,
+# while the gen_throughput gauge keeps its last value (sglang refreshes it on a decode log line only).
+RATE_WINDOW_S = 5.0
+MIN_RATE_SPAN_S = 1.0  # a shorter span between two counter readings says too little
+STALE_AFTER_S = 10.0  # a number read from a gauge or a log line older than this is shown as stale
+
+
+@dataclass(frozen=True)
+class Reading:
+    """Where a number came from and how old it was at the sample: `counter` (a rate over the window),
+    `/v1/loads`, `metrics` (a gauge, as old as the last decode step that set it), `log`, `server_info`."""
+
+    source: str
+    age_s: float | None = None  # None: unknown
+
+    @property
+    def stale(self) -> bool:
+        return self.age_s is not None and self.age_s > STALE_AFTER_S
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"source": self.source, "age_s": None if self.age_s is None else round(self.age_s, 1),
+                "stale": self.stale}
 
 
 @dataclass(frozen=True)
@@ -88,6 +110,9 @@ class HostSnapshot:
     server_info: dict[str, Any] = field(default_factory=dict, repr=False)
     drain_pid: int | None = None
     process_started: float | None = None
+    readings: dict[str, Reading] = field(default_factory=dict)  # source and age of each live number
+    counter_window: tuple[tuple[float, float], ...] = field(default=(), repr=False)  # (t, generation tokens)
+    last_decode_time: float | None = field(default=None, repr=False)  # of the newest decode line seen
 
 
 def latest_switch(switches: list[Switch] | tuple[Switch, ...]) -> Switch | None:
@@ -190,6 +215,19 @@ def build_snapshot(item: dict[str, Any], host: str, prev: HostSnapshot | None = 
 
     running = _first(live[0], metrics.running_reqs, decode.running_reqs if decode else None) if up else None
     queue = _first(live[1], metrics.queue_reqs, decode.queue_reqs if decode else None) if up else None
+    last_decode = _first(decode.time if decode else None, prev.last_decode_time if same_run and prev else None)
+    gauge_age = None if last_decode is None else max(0.0, t - last_decode)
+    window = _counter_window(prev.counter_window if same_run and prev else (), t, metrics.generation_tokens) if up else ()
+    rate = _rate(window)
+    readings: dict[str, Reading] = {}
+    if up:
+        for name, loads_value, gauge_value in (("running_reqs", live[0], metrics.running_reqs),
+                                               ("queue_reqs", live[1], metrics.queue_reqs)):
+            readings[name] = (Reading("/v1/loads", 0.0) if loads_value is not None else
+                              Reading("metrics", gauge_age) if gauge_value is not None else Reading("log", gauge_age))
+        readings["gen_throughput"] = (Reading("counter", 0.0) if rate is not None else
+                                      Reading("metrics", gauge_age) if metrics.gen_throughput is not None
+                                      else Reading("log", gauge_age))
     gpus, gpu_error = _read_gpus(item.get("gpus") or {})
 
     lock = item.get("lock") or None
@@ -231,7 +269,7 @@ def build_snapshot(item: dict[str, Any], host: str, prev: HostSnapshot | None = 
         token_usage=_first(live[2], metrics.token_usage, decode.token_usage if decode else None) if up else None,
         used_tokens=_first(metrics.used_tokens, decode.tokens if decode else None) if up else None,
         max_total_tokens=metrics.max_total_tokens if up else None,
-        gen_throughput=_first(metrics.gen_throughput, decode.gen_throughput if decode else None) if up else None,
+        gen_throughput=_first(rate, metrics.gen_throughput, decode.gen_throughput if decode else None) if up else None,
         accept_length=_first(metrics.accept_length, decode.accept_length if decode else None,
                              state_info.get("avg_spec_accept_length")) if up and spec_configured is not False else None,
         spec_configured=spec_configured,
@@ -253,7 +291,26 @@ def build_snapshot(item: dict[str, Any], host: str, prev: HostSnapshot | None = 
         server_info=info,
         drain_pid=drain_pid,
         process_started=started,
+        readings=readings,
+        counter_window=window,
+        last_decode_time=last_decode,
     )
+
+
+def _counter_window(window: tuple[tuple[float, float], ...], t: float,
+                    value: float | None) -> tuple[tuple[float, float], ...]:
+    """The (time, counter) readings of the last RATE_WINDOW_S, this one added; a reset (restart) starts anew."""
+    if value is None:
+        return ()
+    kept = [(when, v) for when, v in window if t - when <= RATE_WINDOW_S and v <= value and when < t]
+    return (*kept, (t, value))
+
+
+def _rate(window: tuple[tuple[float, float], ...]) -> float | None:
+    """Tokens per second over the window, or None while it spans less than MIN_RATE_SPAN_S."""
+    if len(window) < 2 or window[-1][0] - window[0][0] < MIN_RATE_SPAN_S:
+        return None
+    return (window[-1][1] - window[0][1]) / (window[-1][0] - window[0][0])
 
 
 def _read_marks(marks: Any, t: float, offset: float | None, pid: int | None, started: float | None,

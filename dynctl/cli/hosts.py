@@ -102,6 +102,17 @@ def _fmt(value: Any, spec: str = "", unit: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{unit}"
 
 
+def _provenance(reading: dict[str, Any] | None) -> str:
+    """ "  (from /v1/loads)", "  [STALE: gauge 42 s old]": where a live number came from, and a stale one said."""
+    if not reading:
+        return ""
+    where = {"counter": "generation_tokens_total rate", "metrics": "gauge"}.get(reading["source"], reading["source"])
+    if reading.get("stale"):
+        return f"  [bold yellow]STALE: {where} {reading['age_s']:.0f} s old[/]"
+    age = f", {reading['age_s']:.0f} s old" if reading.get("age_s") else ""
+    return f"  [dim](from {where}{age})[/]"
+
+
 def render_server(patch: dict[str, Any], server: dict[str, Any]) -> None:
     table = Table(box=None, show_header=False, pad_edge=False)
     table.add_column(style="bold")
@@ -127,16 +138,21 @@ def render_server(patch: dict[str, Any], server: dict[str, Any]) -> None:
     threshold = (_fmt(live) if live is not None else
                  "[dim]unknown[/]" if server.get("state") == "down" else "[dim]none reported by /server_info[/]")
     if server.get("release_threshold") is not None and server.get("release_threshold") != live:
-        threshold += f"  [dim](release {server.get('release')} recorded {server['release_threshold']})[/]"
+        threshold += (f"  [yellow](differs from release {server.get('release')}: {server['release_threshold']}; "
+                      f"a restart goes back to it unless --keep-live-threshold)[/]" if live is not None else
+                      f"  [dim](release {server.get('release')} recorded {server['release_threshold']})[/]")
     table.add_row("threshold", threshold)
-    table.add_row("batch size", f"{_fmt(server.get('batch_size'))} running, {_fmt(server.get('queue'))} queued")
+    sources = server.get("sources") or {}
+    table.add_row("batch size", f"{_fmt(server.get('batch_size'))} running, {_fmt(server.get('queue'))} queued"
+                                f"{_provenance(sources.get('running_reqs'))}")
     spec = server.get("speculation")
     spec_text = "[dim]unknown[/]" if spec is None else ("[green]ON[/]" if spec else "[yellow]OFF[/]")
     switch = server.get("last_switch")
     if switch:
         spec_text += f"  [dim](last switch at batch {switch.get('batch_size')})[/]"
     table.add_row("speculation", spec_text)
-    table.add_row("throughput", f"{_fmt(server.get('gen_throughput'), '.1f')} tok/s, accept length "
+    table.add_row("throughput", f"{_fmt(server.get('gen_throughput'), '.1f')} tok/s"
+                                f"{_provenance(sources.get('gen_throughput'))}, accept length "
                                 f"{_fmt(server.get('accept_length'), '.2f')}")
     gpus = server.get("gpus") or []
     if gpus:

@@ -88,6 +88,9 @@ def restart(
     ready_timeout: float = ReadyTimeoutOpt,
     yes: bool = YesOpt,
     adopt: bool = AdoptOpt,
+    keep_live_threshold: bool = typer.Option(False, "--keep-live-threshold",
+                                             help="Start with the threshold the server runs now (set with `dynctl "
+                                                  "threshold`), not the release's."),
     as_json: bool = JsonOpt,
     verbose: bool = VerboseOpt,
 ) -> None:
@@ -96,7 +99,7 @@ def restart(
     session = open_host(host, config)
     ready = lifecycle.restart(session.agent, session.host, grace, ready_timeout,
                               EventPrinter(quiet=as_json, verbose=verbose), lambda question: confirm(question, yes),
-                              adopt=adopt_word(adopt, yes))
+                              adopt=adopt_word(adopt, yes), keep_live_threshold=keep_live_threshold)
     if as_json:
         _print_json(ready)
 

@@ -196,6 +196,13 @@ def batch_bar(running: int | None, threshold: int | None, width: int) -> Text:
     return t
 
 
+def _stale_mark(t: Text, snap: HostSnapshot | None, name: str) -> None:
+    """" STALE 42s" after a number whose source is older than the live view may call live."""
+    reading = snap.readings.get(name) if snap else None
+    if reading is not None and reading.stale:
+        t.append(f" STALE {reading.age_s:.0f}s ", style="bold yellow")
+
+
 def render_load(snap: HostSnapshot | None, width: int) -> Text:
     """batch vs threshold bar; queue · KV · accept; gen tok/s · steps without speculation."""
     t = Text(no_wrap=True, overflow="ellipsis")
@@ -209,7 +216,11 @@ def render_load(snap: HostSnapshot | None, width: int) -> Text:
     t.append(f"{count(running):>4} ", style="bold")
     t.append_text(batch_bar(running, threshold, max(3, width - len(head) - len(tail))))
     t.append(" thr ", style=DIM)
-    t.append(thr + "\n", style="bold")
+    t.append(thr, style="bold")
+    if s and s.threshold is not None and s.release_threshold is not None and s.threshold != s.release_threshold:
+        t.append(f" (release {s.release_threshold})", style="bold yellow")
+    _stale_mark(t, s, "running_reqs")
+    t.append("\n")
     t.append("queue ", style=DIM)
     t.append(count(s.queue_reqs if s else None), style="bold")
     t.append(" · KV ", style=DIM)
@@ -223,6 +234,7 @@ def render_load(snap: HostSnapshot | None, width: int) -> Text:
     t.append("gen ", style=DIM)
     t.append(count(s.gen_throughput if s else None), style="bold")
     t.append(" tok/s", style=DIM)
+    _stale_mark(t, s, "gen_throughput")
     if s and s.disabled_steps is not None:
         t.append(" · steps without spec ", style=DIM)
         t.append(count(s.disabled_steps), style="bold")
