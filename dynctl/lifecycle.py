@@ -162,7 +162,8 @@ def describe(state: ServerState) -> str:
     if state.pid is None:
         return "down"
     up = f", up {state.uptime_s:.0f} s" if state.uptime_s is not None else ""
-    return f"{state.state}, pid {state.pid} (found by {state.source}{up})"
+    how = "adopted: not started by dynctl" if state.source == "adopted" else f"found by {state.source}"
+    return f"{state.state}, pid {state.pid} ({how}{up})"
 
 
 # --------------------------------------------------------------------------- the commands
