@@ -13,7 +13,9 @@ from dynctl import adoption, events, operations, sglang
 from dynctl.agent import AgentClient
 from dynctl.config import HostConfig
 from dynctl.errors import PreflightError
-from dynctl.lifecycle import Adopt, Confirm, find_server, never_adopt, operator_server, proceed, server_argv, takeover
+from dynctl.lifecycle import (
+    Adopt, Confirm, find_server, live_threshold, never_adopt, operator_server, proceed, server_argv, takeover,
+)
 from dynctl.native import plan_native
 from dynctl.patching import parse_threshold, plan_patch, strategy_for
 from dynctl.patching.host import patch_state_from, plan_for_apply, read_patch_state
@@ -224,7 +226,11 @@ def rollback(agent: AgentClient, host: HostConfig, to: str | None = None,
     state = find_server(agent)
     pinned = takeover(host.name, "rollback", operator_server(state.not_ours) if state.pid is None else None, adopt)
     running = f", taking over pid {pinned['pid']} (not started by dynctl)" if pinned else ", restarting its server"
-    confirm(f"Roll {host.name} back to {to or 'the previous release'}{running}?")
+    current = (state.in_force or {}).get("release")
+    since = f" from release {current}" if current else " (no release is in force)"
+    target = ("baseline (the adopted launch, else the configured one; no release)" if to == BASELINE
+              else f"release {to}" if to else "the release before it")
+    confirm(f"Roll {host.name} back{since} to {target}{running}?")
     params = {"baseline_argv": server_argv(host), "to": to, "grace": grace, "ready_timeout": ready_timeout,
               "soak": soak}
     if pinned is not None:
@@ -237,7 +243,10 @@ def set_threshold(agent: AgentClient, threshold: Any, on_event: events.EventSink
     """Change the threshold without a restart, then report the value actually in force."""
     value = parse_threshold(threshold)
     name = agent.host.name
-    confirm(f"Set the live threshold of {name} to {value}?")
+    current = live_threshold(agent)
+    now = f"from {current} " if current is not None else "(the server reports none now) "
+    confirm(f"Set the live threshold of {name} {now}to {value}, without a restart (a restart goes back to the "
+            f"release's value unless --keep-live-threshold)?")
     state = read_patch_state(agent)
     if state.strategy == "native":
         raise PreflightError(

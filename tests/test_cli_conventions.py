@@ -93,3 +93,37 @@ def test_log_records_keep_every_line_and_read_what_they_can():
     odd = log_record("a line no release of sglang writes", 0.0)
     assert (odd["kind"], odd["line"], odd["time"]) == ("other", "a line no release of sglang writes", None)
     json.dumps([decode, switch, odd])
+
+
+def test_declining_a_prompt_names_the_change_and_exits_with_nothing_changed(tmp_path):
+    """On a terminal (a pty): the question says what changes; "n" ends with a message and exit 3."""
+    import os
+    import pty
+    import select
+    import time
+
+    cfg = tmp_path / "dynctl.toml"
+    cfg.write_text(f'[hosts.box]\nworkdir = "{tmp_path / "work"}"\nport = 1\npython = "{sys.executable}"\n')
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: dynctl on the pty
+        os.execv(sys.executable, [sys.executable, "-m", "dynctl", "threshold", "7", "--config", str(cfg)])
+    seen, answered, deadline = b"", False, time.monotonic() + 60
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([fd], [], [], 1.0)
+        if not ready:
+            continue
+        try:
+            chunk = os.read(fd, 4096)
+        except OSError:  # the child closed the pty
+            break
+        if not chunk:
+            break
+        seen += chunk
+        if not answered and b"[y/N]" in seen:
+            os.write(fd, b"n\n")
+            answered = True
+    _, status = os.waitpid(pid, 0)
+    text = " ".join(seen.decode(errors="replace").split())
+    assert answered, text
+    assert "Set the live threshold of box" in text and "to 7" in text
+    assert "declined: nothing was changed" in text and os.waitstatus_to_exitcode(status) == 3
