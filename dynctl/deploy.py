@@ -105,7 +105,7 @@ def plan_deploy(agent: AgentClient, host: HostConfig, threshold: Any, use_config
         dplan = DeployPlan(host, state.version, strategy, threshold, files, plan.diff(), argv, baseline,
                            patch_detail=plan.message)
     else:
-        args = host.args if base is None else adoption.without_own_flags(base[0])
+        args = _speculation_args(host, context, base)
         native = plan_native(threshold, args=args, config_path="{release_dir}/" + ADAPTIVE_CONFIG)
         artifacts = {ADAPTIVE_CONFIG: native.config_json} if native.config_json else {}
         argv = launch(list(native.argv))
@@ -127,6 +127,20 @@ def plan_deploy(agent: AgentClient, host: HostConfig, threshold: Any, use_config
     elif context.get("not_ours") and not dplan.noop:
         dplan.warnings.append(f"{context['not_ours']}: the deploy will be refused (exit 3) while it is there")
     return dplan
+
+
+def _speculation_args(host: HostConfig, context: dict[str, Any], base: tuple[list[str], str] | None) -> list[str]:
+    """The launch flags the native planner reads (steps, topk, algorithm): the base launch's, with the `--config`
+    YAML it names merged in on the host as sglang merges it; a file that cannot be read is named (exit 3)."""
+    which = "configured" if base is None else ("operator" if context.get("operator") else "adopted")
+    args = list(host.args) if base is None else adoption.without_own_flags(base[0])
+    found = (context.get("config_files") or {}).get(which)
+    if found is None:
+        return args
+    if "error" in found:
+        raise PreflightError(f"{host.name}: the launch's --config cannot be read on the host ({found['error']}); "
+                             f"its speculation settings decide the adaptive config; nothing was changed")
+    return adoption.without_own_flags(found["argv"])
 
 
 def _argv_diff(running: list[str], wanted: list[str]) -> str:

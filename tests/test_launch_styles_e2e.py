@@ -78,3 +78,29 @@ def test_deploy_and_rollback_through_sglang_serve_with_a_config_yaml(demo_box, t
     status = json.loads(run_dynctl("status", "--json", config=config).stdout)["server"]
     assert status["state"] == "ready" and status["threshold"] is None
     assert os.path.isfile(yaml)
+
+
+def test_native_deploy_reads_the_speculation_settings_from_the_config_yaml(demo_box, tmp_path):
+    """sglang >= 0.5.14: the adaptive config needs the step count, which here only the YAML on the host holds."""
+    config = demo_box("0.5.14", via="local", strategy="native")
+    entry = tomllib.loads(config.read_text())["hosts"]["box"]
+    bindir = sglang_env(tmp_path / "env")
+    yaml = tmp_path / "server.yaml"
+    yaml.write_text(yaml_of(demo_args()))
+    entry.update(python=str(bindir / "python3"), launch=[str(bindir / "sglang"), "serve"],
+                 args=["--config", str(yaml)])
+    entry["env"]["DYNCTL_SIM_TIME_SCALE"] = "20"
+    write_config(config, {"box": entry}, default_host="box")
+
+    dry = run_dynctl("deploy", "--threshold", "4", "--dry-run", "--json", config=config)
+    assert dry.returncode == 0, dry.stdout + dry.stderr
+    argv = json.loads(dry.stdout)["launch_argv"]
+    assert "--speculative-adaptive" in argv and "--speculative-num-steps" not in argv  # steps 3 come from the YAML
+    res = run_dynctl("deploy", "--threshold", "4", "--yes", config=config)
+    assert res.returncode == 0, res.stdout + res.stderr
+    status = json.loads(run_dynctl("status", "--json", config=config).stdout)["server"]
+    assert (status["state"], status["threshold"]) == ("ready", 4)
+
+    yaml.rename(tmp_path / "gone.yaml")  # a file the host cannot read is named, and nothing changes
+    dry = run_dynctl("deploy", "--threshold", "6", "--dry-run", config=config)
+    assert dry.returncode == 3 and "--config cannot be read" in " ".join(dry.stderr.split())
