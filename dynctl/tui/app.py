@@ -24,6 +24,7 @@ from dynctl.events import EventSink
 from dynctl.feed import Feed, OnUpdate, describe_error
 from dynctl.snapshot import HostHistory, HostSnapshot
 from dynctl.tui.actions import ActionsFactory, HostActions
+from dynctl.tui.help import HelpScreen
 from dynctl.tui.modals import ConfirmModal, ThresholdModal
 from dynctl.tui.progress import describe
 from dynctl.tui.widgets import (
@@ -80,6 +81,7 @@ class Dashboard(Screen):
         Binding("h,tab", "next_host", "Host"),
         Binding("shift+tab", "previous_host", "Previous host", show=False),
         Binding("l", "toggle_log", "Log/actions", show=False),
+        Binding("question_mark", "help", "Help", show=False),
         Binding("q", "quit", "Quit"),
     ]
 
@@ -159,6 +161,9 @@ class Dashboard(Screen):
 
     def action_toggle_log(self) -> None:
         self.show_tail("actions" if self.query_one(ContentSwitcher).current == "log" else "log")
+
+    def action_help(self) -> None:
+        self.app.push_screen(HelpScreen(list(self.BINDINGS), self.read_only))
 
     async def action_quit(self) -> None:
         await self.app.action_quit()
