@@ -17,6 +17,7 @@ from dynctl.metrics import (
     GpuStat,
     MetricsFormatError,
     ServerMetrics,
+    parse_compute_apps_csv,
     parse_decode_line,
     parse_gpu_csv,
     parse_threshold_warning,
@@ -63,6 +64,17 @@ class Switch:
 
 
 @dataclass(frozen=True)
+class GpuHolder:
+    """A process holding memory on a GPU, as nvitop lists it."""
+
+    gpu: int | None  # the GPU's index; None when nvidia-smi named a GPU the GPU rows do not show
+    pid: int
+    user: str | None
+    used_mib: float | None
+    command: str | None
+
+
+@dataclass(frozen=True)
 class HostSnapshot:
     host: str
     time: float  # the host's clock for a live sample, this machine's when disconnected
@@ -95,6 +107,7 @@ class HostSnapshot:
     disabled_steps: float | None = None
     gpus: tuple[GpuStat, ...] = ()
     gpu_error: str | None = None
+    gpu_processes: tuple[GpuHolder, ...] = ()
     log_lines: tuple[str, ...] = ()
     log_replace: bool = False  # a new stream: these lines replace the tail instead of extending it
     log_restarted: bool = False  # the log file was truncated or replaced (a new server run)
@@ -229,6 +242,9 @@ def build_snapshot(item: dict[str, Any], host: str, prev: HostSnapshot | None = 
                                       Reading("metrics", gauge_age) if metrics.gen_throughput is not None
                                       else Reading("log", gauge_age))
     gpus, gpu_error = _read_gpus(item.get("gpus") or {})
+    holders = _read_holders(item.get("gpu_procs"), gpus)
+    if holders is None:
+        holders = prev.gpu_processes if prev is not None else ()
 
     lock = item.get("lock") or None
     operation = None
@@ -278,6 +294,7 @@ def build_snapshot(item: dict[str, Any], host: str, prev: HostSnapshot | None = 
         disabled_steps=metrics.spec_disabled_steps if up else None,
         gpus=gpus,
         gpu_error=gpu_error,
+        gpu_processes=holders,
         log_lines=lines,
         log_replace=item.get("seq") == 0,
         log_restarted=bool(log.get("reset")),
@@ -330,6 +347,21 @@ def _read_marks(marks: Any, t: float, offset: float | None, pid: int | None, sta
         elif _DRAIN_MARK in mark and pid is not None and this_run(split_log_prefix(mark, offset).time):
             drain_pid = pid
     return switches, drain_pid, spec_warning
+
+
+def _read_holders(part: dict[str, Any] | None, gpus: tuple[GpuStat, ...]) -> tuple[GpuHolder, ...] | None:
+    """The processes on the GPUs, by GPU index and memory; None when this sample carries no list."""
+    if not part or not part.get("ok"):
+        return None
+    try:
+        procs = parse_compute_apps_csv(part.get("csv", ""))
+    except MetricsFormatError:
+        return None
+    index = {g.uuid: g.index for g in gpus if g.uuid}
+    owners = part.get("owners") or {}
+    out = [GpuHolder(index.get(p.gpu_uuid), p.pid, (owners.get(str(p.pid)) or {}).get("user"), p.used_mib,
+                     (owners.get(str(p.pid)) or {}).get("command") or p.process_name) for p in procs]
+    return tuple(sorted(out, key=lambda h: (h.gpu if h.gpu is not None else 1 << 30, -(h.used_mib or 0), h.pid)))
 
 
 def _read_gpus(part: dict[str, Any]) -> tuple[tuple[GpuStat, ...], str | None]:

@@ -7,7 +7,7 @@ import pytest
 
 from dynctl.tui.app import Dashboard
 from dynctl.tui.help import HelpScreen
-from dynctl.tui.widgets import LoadPanel
+from dynctl.tui.widgets import GpuPanel, LoadPanel
 from tui_harness import T0, Harness
 from watch_items import decode_line, item
 
@@ -42,3 +42,24 @@ async def test_a_gauge_older_than_the_stale_limit_is_marked_and_a_live_threshold
         await pilot.pause()
         text = harness.panel(LoadPanel).text()
         assert "STALE 30s" in text and "(release 5)" in text
+
+
+async def test_the_gpu_panel_lists_who_holds_each_gpu():
+    harness = Harness(["glm5"])
+    async with harness.app.run_test(size=(120, 40)) as pilot:
+        raw = item(T0, 0, 3, gpus=2)
+        uuid0, uuid1 = (f"GPU-{i:08x}-aaaa-bbbb-cccc-{i:012x}" for i in (0, 1))
+        raw["gpu_procs"] = {"ok": True, "t": T0, "csv": f"{uuid0}, 4242, python3, 117000\n"
+                                                        f"{uuid1}, 4243, python3, 116000\n{uuid1}, 777, [N/A], 900\n",
+                            "owners": {"4242": {"user": "root", "command": "python3 -m sglang.launch_server --tp 2"},
+                                       "4243": {"user": "root", "command": "sglang::scheduler_TP1"},
+                                       "777": {"user": "alice", "command": "python train.py"}}}
+        harness.push(raw)
+        await pilot.pause()
+        text = harness.panel(GpuPanel).text()
+        lines = text.splitlines()
+        assert any(line.split()[:4] == ["0", "4242", "root", "114G"] for line in lines), text
+        assert any(line.split()[:3] == ["1", "777", "alice"] and "train.py" in line for line in lines), text
+        harness.push(item(T0 + 1, 1, 3, gpus=2))  # a sample without a new list keeps the last one
+        await pilot.pause()
+        assert "alice" in harness.panel(GpuPanel).text()

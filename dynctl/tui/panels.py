@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from rich.text import Text
 
 from dynctl.metrics import GpuStat, parse_decode_line, split_log_prefix
-from dynctl.snapshot import HostSnapshot
+from dynctl.snapshot import GpuHolder, HostSnapshot
 from dynctl.tui.chart import OFF_STYLE, ON_STYLE
 
 STATE_STYLE = {
@@ -277,8 +277,10 @@ def render_gpus_compact(gpus: Sequence[GpuStat], width: int) -> Text:
     return t
 
 
-def render_gpus(gpus: Sequence[GpuStat], error: str | None, width: int, height: int) -> Text:
-    """One line per GPU: index, utilisation bar and %, memory bar and used/total GiB."""
+def render_gpus(gpus: Sequence[GpuStat], error: str | None, width: int, height: int,
+                holders: Sequence[GpuHolder] = ()) -> Text:
+    """One line per GPU: index, utilisation bar and %, memory bar and used/total GiB; then, in the lines
+    left, the processes that hold GPU memory (GPU, pid, user, memory, command), as nvitop lists them."""
     t = Text(no_wrap=True, overflow="crop")
     if not gpus:
         t.append(error or "no GPU data", style=DIM)
@@ -297,6 +299,13 @@ def render_gpus(gpus: Sequence[GpuStat], error: str | None, width: int, height: 
         frac = g.mem_used_mib / g.mem_total_mib if g.mem_used_mib is not None and g.mem_total_mib else None
         t.append_text(_bar(frac, bar_w, "magenta"))
         t.append(f" {_gib(g.mem_used_mib)}/{_gib(g.mem_total_mib)} GiB\n")
+    room = height - len(gpus) - 1
+    if holders and room >= 1:
+        t.append(f"{'GPU':>3} {'PID':>7} {'USER':<10} {'MEM':>6}  COMMAND\n", style=DIM)
+        for h in holders[:room]:
+            gpu = "?" if h.gpu is None else str(h.gpu)
+            t.append(f"{gpu:>3} {h.pid:>7} {(h.user or '?')[:10]:<10} {_gib(h.used_mib):>5}G  ")
+            t.append(f"{h.command or '?'}\n", style=DIM)
     t.rstrip()
     return t
 

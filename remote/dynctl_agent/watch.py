@@ -13,7 +13,7 @@ import threading
 import time
 
 from dynctl import sglang
-from dynctl_agent import httpclient, lock, nvidia, procfs, releases, serverinfo, servers
+from dynctl_agent import gpuprocs, httpclient, lock, nvidia, procfs, releases, serverinfo, servers
 from dynctl_agent.protocol import AgentError
 
 _METRICS_CAP = 4 << 20
@@ -233,7 +233,7 @@ def _sigterm(signum, frame):
     raise _Stop()
 
 
-def watch(ctx, interval=1.0, log_lines=50, gpus=True, max_items=None, info_every=5.0, **_):
+def watch(ctx, interval=1.0, log_lines=50, gpus=True, max_items=None, info_every=5.0, gpu_procs=False, **_):
     """Yield one sample of the server, its GPUs and its log every `interval` seconds, on the host itself."""
     interval = _number(interval, "interval", 0.05, 60.0)
     log_lines = _number(log_lines, "log_lines", 0, 5000, int)
@@ -241,6 +241,8 @@ def watch(ctx, interval=1.0, log_lines=50, gpus=True, max_items=None, info_every
     max_items = None if max_items is None else _number(max_items, "max_items", 1, 10 ** 9, int)
     proc, log = _ServerSampler(ctx), _LogSampler(ctx.path(servers.LOG), log_lines)
     gpu = nvidia.Sampler(ctx, interval) if gpus else None
+    # the live view's process list: a short nvidia-smi call every few seconds, only for a view that shows it
+    holders = gpuprocs.GpuProcesses(ctx) if gpus and gpu_procs else None
     previous = None
     if threading.current_thread() is threading.main_thread():  # a closed stream ends us by SIGTERM
         previous = signal.signal(signal.SIGTERM, _sigterm)
@@ -266,6 +268,9 @@ def watch(ctx, interval=1.0, log_lines=50, gpus=True, max_items=None, info_every
                 info_at = start
             last_pid, last_http = pid, item["metrics"]["ok"]
             item["gpus"] = gpu.sample(start) if gpu else None
+            procs = holders.sample(start) if holders else None
+            if procs is not None:
+                item["gpu_procs"] = procs
             item["log"] = log.sample(first=seq == 0)
             item["release"] = _release(ctx)
             item["lock"] = _lock(ctx)
