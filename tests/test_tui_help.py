@@ -63,3 +63,27 @@ async def test_the_gpu_panel_lists_who_holds_each_gpu():
         harness.push(item(T0 + 1, 1, 3, gpus=2))  # a sample without a new list keeps the last one
         await pilot.pause()
         assert "alice" in harness.panel(GpuPanel).text()
+
+
+async def test_the_full_log_shows_every_line_and_follows_until_paused():
+    from dynctl.tui.fulllog import FullLogScreen
+    from textual.widgets import RichLog
+
+    harness = Harness(["glm5"])
+    routine = '[2026-11-29 11:00:00] INFO:     127.0.0.1:5555 - "GET /health HTTP/1.1" 200 OK'
+    async with harness.app.run_test(size=(120, 30)) as pilot:
+        harness.push(item(T0, 0, 3, log=["a line no release of sglang writes", routine]))
+        await pilot.pause()
+        await pilot.press("L")
+        await pilot.pause()
+        screen = harness.app.screen
+        assert isinstance(screen, FullLogScreen)
+        assert screen.lines_written == ["a line no release of sglang writes", routine]  # raw, routine ones too
+        harness.push(item(T0 + 1, 1, 3, log=["the next line"]))
+        await pilot.pause()
+        assert screen.lines_written[-1] == "the next line"
+        await pilot.press("f")
+        assert screen.query_one(RichLog).auto_scroll is False
+        await pilot.press("escape")
+        await pilot.pause()
+        assert not isinstance(harness.app.screen, FullLogScreen)

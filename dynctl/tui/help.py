@@ -20,6 +20,7 @@ _MORE = {
     "next_host": "next host",
     "previous_host": "previous host",
     "toggle_log": "server log / actions panel",
+    "full_log": "the full server log, every line, following new ones (f pauses)",
     "help": "this screen",
     "quit": "quit",
 }
