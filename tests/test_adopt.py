@@ -20,6 +20,7 @@ import pytest
 
 from dynctl import adoption, lifecycle
 from dynctl.errors import PreflightError
+from dynctl.snapshot import build_snapshot
 from lifecycle_harness import SHIM, Box, box, listening, wait_for  # noqa: F401 - box is a fixture
 from demo_box import dynctl, server_pid, session
 
@@ -82,6 +83,12 @@ def test_a_server_without_a_log_file_shows_none_and_nothing_else_is_adopted(box:
     state = lifecycle.find_server(box.agent)
     assert state.source == "adopted" and state.log is None
     assert lifecycle.read_log(box.agent, 50) == []  # never the previous server's log
+    # the live view: ready, not "draining" from the previous server's SIGTERM line of a moment ago
+    snap = None
+    for raw in box.agent.stream("watch", interval=0.2, max_items=3, log_lines=50, gpus=False):
+        snap = build_snapshot(raw, "box", snap)
+        assert not any("SIGTERM received" in line for line in snap.log_lines)
+    assert (snap.pid, snap.state) == (state.pid, "ready")
 
 
 def test_adopt_then_deploy_keeps_the_hand_tuned_flags_and_rollback_restores_them(demo_box, tmp_path, owned):

@@ -109,6 +109,7 @@ class _ServerSampler:
                    "started": procfs.started_epoch(server["pid"]),
                    "stopping": rec.get("stopping") if from_pidfile and not rec.get("stopped") else None,
                    "release": rec.get("release") if from_pidfile else None}
+        out["log"] = servers.log_path(ctx, loc)  # an adopted server's own file (or none), else workdir's
         not_ours = servers.not_ours(ctx, loc)
         if not_ours is not None:
             out["not_ours"] = {k: not_ours[k] for k in ("kind", "pid", "cmdline", "text")}
@@ -271,7 +272,15 @@ def watch(ctx, interval=1.0, log_lines=50, gpus=True, max_items=None, info_every
             procs = holders.sample(start) if holders else None
             if procs is not None:
                 item["gpu_procs"] = procs
-            item["log"] = log.sample(first=seq == 0)
+            path = item["process"].pop("log", log.path)
+            if path != log.path:  # the server in question writes elsewhere (adopted), or no longer does
+                log.close()
+                log, moved = _LogSampler(path, log_lines), True
+            else:
+                moved = False
+            item["log"] = log.sample(first=seq == 0 or moved) if path is not None else {
+                "path": None, "lines": [], "marks": [], "decode": None, "dropped": 0, "skipped_bytes": 0,
+                "reset": moved, "note": "the adopted server writes no log file dynctl can read"}
             item["release"] = _release(ctx)
             item["lock"] = _lock(ctx)
             item["sample_ms"] = round((time.time() - start) * 1000, 1)
