@@ -6,6 +6,7 @@ model path); dynctl only sets the flags it owns. The configured `args` replace i
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,6 +43,35 @@ def adopted_launch(argv: Sequence[str], extra: Sequence[str] = ()) -> list[str]:
     if METRICS_FLAG not in out:
         out.append(METRICS_FLAG)
     return out
+
+
+_OWN_FLAGS = {"--port": 1, "--enable-metrics": 0}
+
+
+def split_launch(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(launch, args) of a running server's argv as the config writes them: the launcher (`python -m
+    sglang.launch_server`, the `sglang serve` script, else the program) and its flags without dynctl's own."""
+    argv = list(argv)
+    if "-m" in argv[:4] and argv.index("-m") + 1 < len(argv):
+        at = argv.index("-m") + 2
+        launch = argv[:at]
+    elif len(argv) > 2 and os.path.basename(argv[1]) == "sglang" and argv[2] == "serve":
+        launch, at = argv[1:3], 3  # the console script behind its shebang: exec the script
+    elif len(argv) > 1 and os.path.basename(argv[0]) == "sglang" and argv[1] == "serve":
+        launch, at = argv[:2], 2
+    else:
+        launch, at = argv[:1], 1
+    rest, args, skip = without_own_flags(argv[at:]), [], 0
+    for arg in rest:
+        if skip:
+            skip -= 1
+            continue
+        flag, eq, _ = arg.partition("=")
+        if flag in _OWN_FLAGS:
+            skip = 0 if eq else _OWN_FLAGS[flag]
+            continue
+        args.append(arg)
+    return launch, args
 
 
 def launch_base(context: dict[str, Any]) -> tuple[list[str], str] | None:

@@ -21,6 +21,7 @@ from dynctl import deploy as core
 from dynctl import events
 from dynctl.agent import AgentClient
 from dynctl.config import Config, HostConfig, find_config_path, load_config, user_config_path
+from dynctl.configedit import keep_trailing_lines
 from dynctl.errors import ConfigError
 from dynctl.lifecycle import find_server, restart_server, server_argv
 from dynctl.transport import connect
@@ -43,24 +44,6 @@ def _toml_value(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_toml_value(v) for v in value]
     return value
-
-
-def _last_table(table: Any) -> Any:
-    """The table whose body ends where `table`'s section ends in the file: its last sub-table, or itself."""
-    body = table.value.body
-    keyed = [item for key, item in body if key is not None]
-    if keyed and isinstance(keyed[-1], tomlkit.items.Table):
-        return _last_table(keyed[-1])
-    return table
-
-
-def _pop_trailing_trivia(table: Any) -> list[Any]:
-    """Take the comments and blank lines that end `table`'s body: tomlkit keeps the lines before the next
-    header there, though they introduce what follows."""
-    body, out = table.value.body, []
-    while body and body[-1][0] is None and isinstance(body[-1][1], (tomlkit.items.Comment, tomlkit.items.Whitespace)):
-        out.insert(0, body.pop()[1])
-    return out
 
 
 def _replace_items(table: Any, values: dict[str, Any]) -> None:
@@ -95,10 +78,8 @@ def register_demo_host(entry: dict[str, Any], config_path: str | None = None) ->
         hosts = tomlkit.table(is_super_table=True)
         doc.add("hosts", hosts)
     if DEMO_HOST in hosts:  # updated in place, the lines that lead into the next section kept there
-        trailing = _pop_trailing_trivia(_last_table(hosts[DEMO_HOST]))
-        _replace_items(hosts[DEMO_HOST], entry)
-        for item in trailing:
-            _last_table(hosts[DEMO_HOST]).value.body.append((None, item))
+        with keep_trailing_lines(hosts[DEMO_HOST]):
+            _replace_items(hosts[DEMO_HOST], entry)
     else:
         section = tomlkit.table()
         section.add(tomlkit.comment("a SIMULATED GPU host made by `dynctl demo` (no GPU, no model)"))

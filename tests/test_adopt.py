@@ -121,3 +121,26 @@ def test_adopt_then_deploy_keeps_the_hand_tuned_flags_and_rollback_restores_them
     back = dynctl("rollback", "--to", "baseline", "--yes", config=config)
     assert back.returncode == 0, back.stdout + back.stderr
     assert psutil.Process(server_pid(config)).cmdline() == argv
+
+
+def test_adopt_write_config_records_the_launch_in_the_operators_file_keeping_it(box: Box, tmp_path: Path):
+    import tomllib
+
+    cfg = tmp_path / "dynctl.toml"
+    original = ("# the operator's fleet\ndefault_host = \"box\"\n\n[hosts.box]  # the hand-run box\n"
+                f"workdir = \"{box.workdir}\"\nport = {box.port}\npython = \"python3\"  # keep this comment\n"
+                f"env = {{ PYTHONPATH = \"{SHIM}\" }}\n\n# another host, untouched\n[hosts.other]\nport = 31000\n")
+    cfg.write_text(original)
+    op = hand_start(box, tmp_path / "opcwd", None, "--max-running-requests", "64")
+    res = dynctl("adopt", "--yes", "--write-config", config=cfg)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert op.poll() is None
+    text = cfg.read_text()
+    host = tomllib.loads(text)["hosts"]["box"]
+    assert host["launch"] == [sys.executable, "-m", "sglang.launch_server"]
+    assert host["args"] == ["--model-path", "/models/hand", "--max-running-requests", "64"]  # --port is dynctl's
+    assert host["python"] == sys.executable and host["env"] == {"PYTHONPATH": str(SHIM)}
+    for kept in ("# the operator's fleet", "[hosts.box]  # the hand-run box", "# keep this comment",
+                 "\n# another host, untouched\n[hosts.other]\n"):
+        assert kept in text
+    assert SECRET not in text  # the environment stays in the 0600 record on the host, never in the config

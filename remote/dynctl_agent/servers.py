@@ -430,10 +430,13 @@ def adoption(ctx, op):
         raise AgentError("pid %d exited while dynctl read its launch to adopt it; nothing was changed" % pid,
                          "preflight")
     return {"pid": pid, "pid_start": op["start"], "argv": argv, "env": env, "cwd": cwd, "log": own_log(pid),
-            "python": _interpreter(pid), "adopted": store.now_iso(), "who": ctx.who}
+            "python": _interpreter(pid, argv), "adopted": store.now_iso(), "who": ctx.who}
 
 
-def _interpreter(pid):
+def _interpreter(pid, argv):
+    """The interpreter as it was invoked (a venv's bin/python, not the binary it links to), else /proc's exe."""
+    if argv and argv[0].startswith("/") and os.path.basename(argv[0]).startswith(("python", "pypy")):
+        return argv[0]
     try:
         return os.readlink("/proc/%d/exe" % pid)
     except OSError:
