@@ -67,3 +67,9 @@ def test_the_flat_reader_agrees_with_pyyaml(tmp_path):
         k: (v if isinstance(v, (bool, type(None))) else str(v)) for k, v in real.items() if k != "list"}
     with pytest.raises(ValueError, match="server.yaml line 1"):
         sglang._flat_yaml("just words\n", "server.yaml")
+
+
+def test_another_environments_sglang_serve_is_named_with_how_to_configure_it():
+    hint = agent._serve_hint(["/other/bin/python3", "/other/bin/sglang", "serve", "--port", "30000"])
+    assert 'python = "/other/bin/python3"' in hint and '"/other/bin/sglang", "serve"' in hint
+    assert agent._serve_hint(["/usr/bin/vllm", "serve"]) is None

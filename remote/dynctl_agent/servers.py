@@ -110,6 +110,17 @@ def looks_like_server(ctx, cmd, pid=None):
     return str(ctx.port) == str(launchconfig.server_port(cmd, _cwd(pid)))
 
 
+def _serve_hint(cmd):
+    """For an `sglang serve` of another environment than the configured interpreter's: how to name it."""
+    for at in (0, 1):
+        if len(cmd) > at + 1 and os.path.basename(cmd[at]) == "sglang" and cmd[at + 1] == "serve" and "/" in cmd[at]:
+            bindir = os.path.dirname(cmd[at])
+            return ("it runs `sglang serve` of %s: if it is your server, set python = \"%s/python3\" for this "
+                    "host (or launch = [\"%s/sglang\", \"serve\"]), so dynctl knows it as an sglang server"
+                    % (bindir, bindir, bindir))
+    return None
+
+
 def _cwd(pid):
     if pid is None:
         return None
@@ -365,7 +376,7 @@ def not_ours(ctx, loc, taking=None):
         return {"kind": "foreign", "pid": pid, "start": procfs.start_time(pid), "cmdline": cmd,
                 "text": "port %d is held by pid %d (%s), which dynctl does not manage"
                         % (ctx.port, pid, " ".join(sglang.redact_argv(cmd))[:200]),
-                "hint": "stop it yourself or change the port in the config"}
+                "hint": _serve_hint(cmd) or "stop it yourself or change the port in the config"}
     if loc["server"] is None and op is None and not loc["leftovers"] and procfs.port_in_use(ctx.port):
         return {"kind": "hidden", "pid": None, "start": None, "cmdline": [],
                 "text": "port %d is in use by a process %s cannot see" % (ctx.port, getpass.getuser()),
