@@ -23,18 +23,7 @@ METRICS_FLAG = "--enable-metrics"
 
 def without_own_flags(argv: Sequence[str]) -> list[str]:
     """`argv` without the threshold and adaptive-speculation flags dynctl sets itself (`--flag v` and `--flag=v`)."""
-    out: list[str] = []
-    skip = 0
-    for arg in argv:
-        if skip:
-            skip -= 1
-            continue
-        flag, eq, _ = arg.partition("=")
-        if flag in _OWN_SPECULATION_FLAGS:
-            skip = 0 if eq else _OWN_SPECULATION_FLAGS[flag]
-            continue
-        out.append(arg)
-    return out
+    return sglang.without_flags(argv, _OWN_SPECULATION_FLAGS)
 
 
 def adopted_launch(argv: Sequence[str], extra: Sequence[str] = ()) -> list[str]:
@@ -43,9 +32,6 @@ def adopted_launch(argv: Sequence[str], extra: Sequence[str] = ()) -> list[str]:
     if METRICS_FLAG not in out:
         out.append(METRICS_FLAG)
     return out
-
-
-_OWN_FLAGS = {"--port": 1, "--enable-metrics": 0}
 
 
 def split_launch(argv: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -61,17 +47,7 @@ def split_launch(argv: Sequence[str]) -> tuple[list[str], list[str]]:
         launch, at = argv[:2], 2
     else:
         launch, at = argv[:1], 1
-    rest, args, skip = without_own_flags(argv[at:]), [], 0
-    for arg in rest:
-        if skip:
-            skip -= 1
-            continue
-        flag, eq, _ = arg.partition("=")
-        if flag in _OWN_FLAGS:
-            skip = 0 if eq else _OWN_FLAGS[flag]
-            continue
-        args.append(arg)
-    return launch, args
+    return launch, sglang.without_flags(argv[at:], sglang.OWN_LAUNCH_FLAGS)
 
 
 def launch_base(context: dict[str, Any]) -> tuple[list[str], str] | None:

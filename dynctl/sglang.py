@@ -365,3 +365,29 @@ def merge_config_args(argv, store_true=(), cwd=None):
     if cwd and not os.path.isabs(path):
         path = os.path.join(cwd, path)
     return config_args(read_config_yaml(path), store_true) + argv[:at] + argv[at + 2:]
+
+
+# --------------------------------------------------------------------------- the flags dynctl sets itself
+
+# flag: how many values it takes; a deploy sets these anew on whatever launch it builds on
+OWN_LAUNCH_FLAGS = {THRESHOLD_FLAG: 1, ADAPTIVE_CONFIG_FLAG: 1, ADAPTIVE_FLAG: 0, "--port": 1, "--enable-metrics": 0}
+
+
+def without_flags(argv, flags):
+    """argv without `flags` ({flag: number of values}), in both `--flag v` and `--flag=v` spellings."""
+    out, skip = [], 0
+    for arg in argv:
+        if skip:
+            skip -= 1
+            continue
+        flag, eq, _ = arg.partition("=")
+        if flag in flags:
+            skip = 0 if eq else flags[flag]
+            continue
+        out.append(arg)
+    return out
+
+
+def same_launch(argv, other):
+    """argv and other are one launch but for the flags dynctl sets itself (port, metrics, threshold, adaptive)."""
+    return without_flags(argv, OWN_LAUNCH_FLAGS) == without_flags(other, OWN_LAUNCH_FLAGS)

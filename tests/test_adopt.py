@@ -95,8 +95,11 @@ def test_adopt_then_deploy_keeps_the_hand_tuned_flags_and_rollback_restores_them
     config = demo_box(via="local")
     host = session(config).host
     argv = [*lifecycle.server_argv(host), "--mem-fraction-static", "0.77"]
-    proc = subprocess.Popen(argv, env=dict(os.environ, **host.env), stdin=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    opcwd = tmp_path / "opcwd"
+    opcwd.mkdir()
+    proc = subprocess.Popen(argv, env=dict(os.environ, **host.env, OPERATOR_TOKEN=SECRET), cwd=str(opcwd),
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
     owned.append(proc)
     wait_for(lambda: listening(host.port), 60, what="the hand-started simulator to listen")
 
@@ -115,8 +118,12 @@ def test_adopt_then_deploy_keeps_the_hand_tuned_flags_and_rollback_restores_them
     res = dynctl("deploy", "--threshold", "5", "--yes", config=config)
     assert res.returncode == 0, res.stdout + res.stderr
     proc.wait(30)  # drained on SIGTERM; the simulator, like sglang, ends its own tree with SIGKILL
-    deployed = psutil.Process(server_pid(config)).cmdline()
-    assert deployed[-2:] == ["--speculative-disable-batch-threshold", "5"] and "0.77" in deployed
+    deployed = psutil.Process(server_pid(config))
+    assert deployed.cmdline()[-2:] == ["--speculative-disable-batch-threshold", "5"] and "0.77" in deployed.cmdline()
+    assert deployed.environ()["OPERATOR_TOKEN"] == SECRET and deployed.cwd() == str(opcwd)  # exactly its launch
+    res = dynctl("restart", "--yes", config=config)  # the release's argv, in the adopted environment still
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert psutil.Process(server_pid(config)).environ()["OPERATOR_TOKEN"] == SECRET
 
     back = dynctl("rollback", "--to", "baseline", "--yes", config=config)
     assert back.returncode == 0, back.stdout + back.stderr

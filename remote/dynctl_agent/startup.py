@@ -12,7 +12,7 @@ import time
 import uuid
 
 from dynctl import sglang
-from dynctl_agent import hostinfo, httpclient, procfs, servers, store
+from dynctl_agent import hostinfo, httpclient, procfs, releases, servers, store
 from dynctl_agent.protocol import AgentError
 
 LOG_ROTATE = 256 << 20
@@ -54,6 +54,8 @@ def start_server(ctx, argv, env=None, release=None, launch=None):
         raise AgentError("processes of the previous server are still alive (pids %s); run `dynctl stop` first"
                          % ", ".join(map(str, sorted(loc["leftovers"]))), "preflight")
     ctx.ensure_workdir()
+    if launch is None:  # a release built on the adopted launch starts in its environment and cwd
+        launch = releases.adopted_launch_for(ctx, argv)
     log_path = ctx.path(servers.LOG)
     _rotate_log(log_path)
     marker = uuid.uuid4().hex
