@@ -127,3 +127,18 @@ def test_declining_a_prompt_names_the_change_and_exits_with_nothing_changed(tmp_
     assert answered, text
     assert "Set the live threshold of box" in text and "to 7" in text
     assert "declined: nothing was changed" in text and os.waitstatus_to_exitcode(status) == 3
+
+
+def test_a_key_value_table_off_a_terminal_is_plain_tab_separated_text():
+    from rich.table import Table
+
+    from dynctl.cli.tables import print_rich_table
+
+    buf = io.StringIO()
+    table = Table(box=None, show_header=False)
+    table.add_column()
+    table.add_column()
+    table.add_row("server", "[green]ready[/]  pid 4242")
+    table.add_row("throughput", "0.0 tok/s  [bold yellow]STALE: gauge 42 s old[/]")
+    print_rich_table(Console(file=buf, width=30, force_terminal=False), table)
+    assert buf.getvalue().splitlines() == ["server\tready pid 4242", "throughput\t0.0 tok/s STALE: gauge 42 s old"]

@@ -11,7 +11,7 @@ from rich.table import Table
 
 from dynctl import sglang
 from dynctl.cli.common import ConfigOpt, HostOpt, JsonOpt, console, handle_errors, open_host
-from dynctl.cli.tables import print_table
+from dynctl.cli.tables import print_rich_table, print_table
 from dynctl.config import load_config
 from dynctl.errors import DynctlError
 from dynctl.inventory import HostInfo, describe_host, probe_hosts
@@ -95,7 +95,7 @@ def render_host(info: HostInfo) -> None:
     listeners = ", ".join(f"pid {p['pid']} ({' '.join(sglang.redact_argv(p.get('cmdline') or []))[:60]})"
                           for p in info.port_listeners)
     table.add_row("port", f"{info.port}  " + (listeners or "[dim]nothing listening[/]"))
-    console.print(table)
+    print_rich_table(console, table)
 
 
 def _fmt(value: Any, spec: str = "", unit: str = "") -> str:
@@ -166,4 +166,4 @@ def render_server(patch: dict[str, Any], server: dict[str, Any]) -> None:
         table.add_row("GPUs", f"[dim]{server['gpu_error']}[/]")
     if server.get("spec_warning"):
         table.add_row("warning", f"[yellow]{server['spec_warning']}[/]")
-    console.print(table)
+    print_rich_table(console, table)

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 
 def _cell(value: object) -> str:
@@ -31,3 +32,15 @@ def print_table(console: Console, columns: Sequence[str], rows: Sequence[Sequenc
     for row in rows:
         table.add_row(*(_cell(v) for v in row))
     console.print(table)
+
+
+def print_rich_table(console: Console, table: Table) -> None:
+    """A table built for the terminal, off it as tab-separated rows of its plain text (markup stripped)."""
+    if console.is_terminal:
+        console.print(table)
+        return
+    columns = [[Text.from_markup(c).plain if isinstance(c, str) else getattr(c, "plain", str(c))
+                for c in column._cells] for column in table.columns]  # rich keeps a column's cells there
+    for row in zip(*columns):
+        console.file.write("\t".join(_cell(v) for v in row) + "\n")
+    console.file.flush()
