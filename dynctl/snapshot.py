@@ -126,6 +126,7 @@ class HostSnapshot:
     readings: dict[str, Reading] = field(default_factory=dict)  # source and age of each live number
     counter_window: tuple[tuple[float, float], ...] = field(default=(), repr=False)  # (t, generation tokens)
     last_decode_time: float | None = field(default=None, repr=False)  # of the newest decode line seen
+    info_time: float | None = field(default=None, repr=False)  # when /server_info last answered
 
 
 def latest_switch(switches: list[Switch] | tuple[Switch, ...]) -> Switch | None:
@@ -190,8 +191,11 @@ def build_snapshot(item: dict[str, Any], host: str, prev: HostSnapshot | None = 
     carried = prev.server_info if prev is not None and same_run else {}
     if info_part is not None and info_part.get("ok"):
         info = info_part.get("data") or {}
+        info_time = t
     else:  # not sampled this time, or slow to answer: the last one of the same server run still holds
         info = carried
+        info_time = prev.info_time if prev is not None and same_run else None
+    info_age = None if info_time is None else max(0.0, t - info_time)
     state_info = info.get("internal_state") or {}
 
     log = item.get("log") or {}
@@ -241,7 +245,22 @@ def build_snapshot(item: dict[str, Any], host: str, prev: HostSnapshot | None = 
         readings["gen_throughput"] = (Reading("counter", 0.0) if rate is not None else
                                       Reading("metrics", gauge_age) if metrics.gen_throughput is not None
                                       else Reading("log", gauge_age))
+        readings["token_usage"] = (Reading("/v1/loads", 0.0) if live[2] is not None else
+                                   Reading("metrics", gauge_age) if metrics.token_usage is not None
+                                   else Reading("log", gauge_age))
+        readings["accept_length"] = (Reading("metrics", gauge_age) if metrics.accept_length is not None else
+                                     Reading("log", gauge_age) if decode is not None and decode.accept_length
+                                     is not None else Reading("/server_info", info_age))
+        # the patch's gauge changes at every decode step that flips it, so it is as fresh as the sample
+        readings["speculation"] = (Reading("metrics", 0.0) if metrics.spec_enabled is not None else
+                                   Reading("log", 0.0) if switches else Reading("inferred", None))
+        readings["threshold"] = (Reading("/server_info", info_age) if _int_or_none(state_info.get(sglang.THRESHOLD_KEY))
+                                 is not None else Reading("metrics", 0.0) if metrics.spec_threshold is not None
+                                 else Reading("/server_info", info_age))
     gpus, gpu_error = _read_gpus(item.get("gpus") or {})
+    gpu_part = item.get("gpus") or {}
+    if gpus and gpu_part.get("t") is not None:  # the looping nvidia-smi's last full block
+        readings["gpus"] = Reading("nvidia-smi", max(0.0, t - float(gpu_part["t"])))
     holders = _read_holders(item.get("gpu_procs"), gpus)
     if holders is None:
         holders = prev.gpu_processes if prev is not None else ()
@@ -311,6 +330,7 @@ def build_snapshot(item: dict[str, Any], host: str, prev: HostSnapshot | None = 
         readings=readings,
         counter_window=window,
         last_decode_time=last_decode,
+        info_time=info_time,
     )
 
 

@@ -57,6 +57,10 @@ def test_tok_s_is_the_counters_rate_and_falls_to_zero_within_one_window_after_lo
     last = snaps[-1]
     assert last.running_reqs == 8 and last.readings["running_reqs"].source == "metrics"
     assert last.readings["running_reqs"].age_s > STALE_AFTER_S and last.readings["running_reqs"].stale
+    # every live number says where it came from
+    assert {"running_reqs", "queue_reqs", "gen_throughput", "token_usage", "accept_length", "speculation",
+            "threshold"} <= set(last.readings)
+    assert last.readings["threshold"].source == "/server_info" and last.readings["speculation"].source == "metrics"
 
 
 def test_running_and_queue_come_from_v1_loads_when_it_answers():
