@@ -16,7 +16,9 @@ pytestmark = pytest.mark.asyncio
 
 async def test_question_mark_opens_the_keys_and_escape_closes_them():
     harness = Harness(["glm5"])
-    async with harness.app.run_test(size=(100, 30)) as pilot:
+    async with harness.app.run_test(size=(100, 40)) as pilot:
+        harness.push(item(T0, 0, 3, loads=(3, 0)))
+        await pilot.pause()
         await pilot.press("question_mark")
         await pilot.pause()
         screen = harness.app.screen
@@ -25,6 +27,8 @@ async def test_question_mark_opens_the_keys_and_escape_closes_them():
         for binding in Dashboard.BINDINGS:  # every key, none forgotten
             assert binding.key.split(",")[0].replace("question_mark", "?") in text
         assert "deploy a threshold" in text and "? this screen" in text
+        sources = "\n".join(screen.sources)
+        assert "batch        /v1/loads, 0 s" in sources and "threshold    /server_info" in sources
         await pilot.press("escape")
         await pilot.pause()
         assert not isinstance(harness.app.screen, HelpScreen) and harness.calls == []

@@ -165,7 +165,9 @@ class Dashboard(Screen):
         self.show_tail("actions" if self.query_one(ContentSwitcher).current == "log" else "log")
 
     def action_help(self) -> None:
-        self.app.push_screen(HelpScreen(list(self.BINDINGS), self.read_only))
+        app = self.app
+        app.push_screen(HelpScreen(list(self.BINDINGS), self.read_only,
+                                   app.latest.get(app.current)))  # type: ignore[attr-defined]
 
     def action_full_log(self) -> None:
         app = self.app

@@ -8,6 +8,8 @@ from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Label, Static
 
+from dynctl.snapshot import HostSnapshot
+
 # what the footer's one word cannot say
 _MORE = {
     "deploy": "deploy a threshold (asks for it, then confirms)",
@@ -35,21 +37,42 @@ def key_rows(bindings: list[Binding]) -> list[tuple[str, str]]:
     return rows
 
 
+def source_rows(snap: HostSnapshot | None) -> list[str]:
+    """One line per live number: its source and age ("tok/s  generation_tokens_total rate, 0 s")."""
+    if snap is None:
+        return []
+    names = {"gen_throughput": "tok/s", "running_reqs": "batch", "queue_reqs": "queue", "token_usage": "KV",
+             "accept_length": "accept", "speculation": "speculation", "threshold": "threshold", "gpus": "GPUs"}
+    out = []
+    for key, label in names.items():
+        reading = snap.readings.get(key)
+        if reading is None:
+            continue
+        where = {"counter": "generation_tokens_total rate", "metrics": "gauge"}.get(reading.source, reading.source)
+        age = "age unknown" if reading.age_s is None else f"{reading.age_s:.0f} s"
+        out.append(f"  {label:<12} {where}, {age}" + ("  STALE" if reading.stale else ""))
+    return out
+
+
 class HelpScreen(ModalScreen[None]):
     """Keys and what they do; any of escape, q or ? closes it."""
 
     BINDINGS = [Binding("escape,q,question_mark", "close", "Close")]
 
-    def __init__(self, bindings: list[Binding], read_only: bool = False) -> None:
+    def __init__(self, bindings: list[Binding], read_only: bool = False, snapshot: HostSnapshot | None = None) -> None:
         super().__init__()
         self.rows = key_rows(bindings)
         self.read_only = read_only
+        self.sources = source_rows(snapshot)
 
     def compose(self) -> ComposeResult:
         width = max(len(k) for k, _ in self.rows)
         text = "\n".join(f"{k:<{width}}  {what}" for k, what in self.rows)
         if self.read_only:
             text += "\n\nread-only: the keys that change a host are off"
+        if self.sources:
+            text += "\n\nwhere the numbers on screen come from, and how old they were at the last sample:\n"
+            text += "\n".join(self.sources)
         with Vertical(id="dialog"):
             yield Label("dynctl keys", id="dialog-title")
             yield Static(text, id="help-keys")
