@@ -128,22 +128,26 @@ class Config:
         return str(self.path) if self.path else "config"
 
 
+def lookup_order(explicit: str | os.PathLike | None = None) -> list[tuple[str, Path | None]]:
+    """Where a config is looked for, in SPEC §3 order: (source, path); path None where the source is not set."""
+    env = os.environ.get("DYNCTL_CONFIG")
+    return [("--config", Path(explicit).expanduser() if explicit else None),
+            ("$DYNCTL_CONFIG", Path(env).expanduser() if env else None),
+            ("./dynctl.toml", Path.cwd() / "dynctl.toml"),
+            ("user config", user_config_path())]
+
+
 def find_config_path(explicit: str | os.PathLike | None = None) -> Path | None:
     """SPEC §3 order: --config, $DYNCTL_CONFIG, ./dynctl.toml, ~/.config/dynctl/config.toml."""
-    if explicit:
-        path = Path(explicit).expanduser()
-        if not path.is_file():
-            raise ConfigError(f"{path}: config file not found (given with --config)")
-        return path
-    env = os.environ.get("DYNCTL_CONFIG")
-    if env:
-        path = Path(env).expanduser()
-        if not path.is_file():
-            raise ConfigError(f"{path}: config file not found (named by $DYNCTL_CONFIG)")
-        return path
-    for path in (Path.cwd() / "dynctl.toml", user_config_path()):
+    for source, path in lookup_order(explicit):
+        if path is None:
+            continue
         if path.is_file():
             return path
+        if source == "--config":
+            raise ConfigError(f"{path}: config file not found (given with --config)")
+        if source == "$DYNCTL_CONFIG":
+            raise ConfigError(f"{path}: config file not found (named by $DYNCTL_CONFIG)")
     return None
 
 

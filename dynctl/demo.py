@@ -15,10 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import tomlkit
+
 from dynctl import deploy as core
 from dynctl import events
 from dynctl.agent import AgentClient
 from dynctl.config import Config, HostConfig, find_config_path, load_config, user_config_path
+from dynctl.configedit import keep_trailing_lines
 from dynctl.errors import ConfigError
 from dynctl.lifecycle import find_server, restart_server, server_argv
 from dynctl.transport import connect
@@ -32,27 +35,33 @@ def demo_root() -> Path:
     return Path(base) / "dynctl" / "demo"
 
 
-def _toml(value: Any) -> str:
-    import json
-
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)  # a JSON string is a valid TOML basic string
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml(v) for v in value) + "]"
+def _toml_value(value: Any) -> Any:
+    """`value` as tomlkit writes it: tables of the entry (env) inline, as an operator writes them."""
     if isinstance(value, dict):
-        return "{ " + ", ".join(f"{k} = {_toml(v)}" for k, v in value.items()) + " }"
-    raise TypeError(f"cannot write {type(value).__name__} to TOML")
+        table = tomlkit.inline_table()
+        table.update({k: _toml_value(v) for k, v in value.items()})
+        return table
+    if isinstance(value, (list, tuple)):
+        return [_toml_value(v) for v in value]
+    return value
+
+
+def _replace_items(table: Any, values: dict[str, Any]) -> None:
+    """Make `table` hold exactly `values`, keeping its comments and, for a sub-table, its own layout."""
+    for key in [k for k in table if k not in values]:
+        del table[key]
+    for key, value in values.items():
+        old = table.get(key)
+        if isinstance(value, dict) and isinstance(old, dict) and not isinstance(old, tomlkit.items.InlineTable):
+            _replace_items(old, value)
+        else:
+            table[key] = _toml_value(value)
 
 
 def register_demo_host(entry: dict[str, Any], config_path: str | None = None) -> Path:
     """Add [hosts.demo] to the user's config (creating it if needed); an existing entry is replaced.
 
-    The file is rewritten only by appending or swapping the demo section as text, so the operator's
-    comments and other hosts stay exactly as they were.
+    Edited as a TOML document (tomlkit), so the operator's comments, order and other hosts stay as they were.
     """
     path = find_config_path(config_path) if config_path or os.environ.get("DYNCTL_CONFIG") else None
     if path is None:
@@ -60,21 +69,26 @@ def register_demo_host(entry: dict[str, Any], config_path: str | None = None) ->
     text = path.read_text() if path.exists() else ""
     if text:
         load_config(path)  # refuse to touch a config that does not parse (ConfigError names it)
-    section = [f"[hosts.{DEMO_HOST}]", "# a SIMULATED GPU host made by `dynctl demo` (no GPU, no model)"]
-    section += [f"{k} = {_toml(v)}" for k, v in entry.items()]
-    block = "\n".join(section) + "\n"
-    lines = text.splitlines(keepends=True)
-    start = next((i for i, ln in enumerate(lines) if ln.strip() == f"[hosts.{DEMO_HOST}]"), None)
-    if start is not None:
-        end = next((i for i in range(start + 1, len(lines)) if lines[i].lstrip().startswith("[")), len(lines))
-        new = "".join(lines[:start]) + block + ("\n" if end < len(lines) else "") + "".join(lines[end:])
+    doc = tomlkit.parse(text) if text else tomlkit.document()
+    if not text:
+        doc.add("default_host", DEMO_HOST)
+        doc.add(tomlkit.nl())
+    hosts = doc.get("hosts")
+    if hosts is None:
+        hosts = tomlkit.table(is_super_table=True)
+        doc.add("hosts", hosts)
+    if DEMO_HOST in hosts:  # updated in place, the lines that lead into the next section kept there
+        with keep_trailing_lines(hosts[DEMO_HOST]):
+            _replace_items(hosts[DEMO_HOST], entry)
     else:
-        head = "" if text else f'default_host = "{DEMO_HOST}"\n\n'
-        sep = "" if not text or text.endswith("\n\n") else ("\n" if text.endswith("\n") else "\n\n")
-        new = head + text + sep + block
+        section = tomlkit.table()
+        section.add(tomlkit.comment("a SIMULATED GPU host made by `dynctl demo` (no GPU, no model)"))
+        for key, value in entry.items():
+            section.add(key, _toml_value(value))
+        hosts.add(DEMO_HOST, section)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(new)
+    tmp.write_text(tomlkit.dumps(doc))
     os.replace(tmp, path)
     cfg = load_config(path)
     if DEMO_HOST not in cfg.hosts:

@@ -9,11 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from dynctl import events, operations, sglang
+from dynctl import adoption, events, operations, sglang
 from dynctl.agent import AgentClient
 from dynctl.config import HostConfig
 from dynctl.errors import PreflightError
-from dynctl.lifecycle import Adopt, Confirm, find_server, never_adopt, operator_server, proceed, server_argv, takeover
+from dynctl.lifecycle import (
+    Adopt, Confirm, find_server, live_threshold, never_adopt, operator_server, proceed, server_argv, takeover,
+)
 from dynctl.native import plan_native
 from dynctl.patching import parse_threshold, plan_patch, strategy_for
 from dynctl.patching.host import patch_state_from, plan_for_apply, read_patch_state
@@ -76,11 +78,18 @@ class DeployPlan:
                 f"against the launch argv below: {op.get('argv_diff') or '?'}")
 
 
-def plan_deploy(agent: AgentClient, host: HostConfig, threshold: Any) -> DeployPlan:
-    """Inspect the host and work out what deploying `threshold` means there; changes nothing."""
+def plan_deploy(agent: AgentClient, host: HostConfig, threshold: Any, use_config_args: bool = False) -> DeployPlan:
+    """Inspect the host and work out what deploying `threshold` means there; changes nothing.
+
+    The launch builds on the operator's own (the server being taken over, else the adopted baseline) with
+    dynctl's flags set; the configured launch and `args` replace it only with `use_config_args`."""
     threshold = parse_threshold(threshold)
     baseline = server_argv(host)
     context = agent.call("deploy_context", files=target_files())  # one round trip for the whole plan
+    base = None if use_config_args else adoption.launch_base(context)
+
+    def launch(extra: list[str]) -> list[str]:
+        return server_argv(host, extra) if base is None else adoption.adopted_launch(base[0], extra)
     _refuse_busy(agent, context["holder"])
     state = patch_state_from(context["patch"], host.strategy)
     if state.version is None:
@@ -93,21 +102,25 @@ def plan_deploy(agent: AgentClient, host: HostConfig, threshold: Any) -> DeployP
             files: list[dict[str, Any]] = []
         else:
             files = plan.files_for_agent()
-        argv = server_argv(host, [THRESHOLD_FLAG, str(threshold)])
+        argv = launch([THRESHOLD_FLAG, str(threshold)])
         dplan = DeployPlan(host, state.version, strategy, threshold, files, plan.diff(), argv, baseline,
                            patch_detail=plan.message)
         if (note := unmeasured_note(state.version)) is not None:
             dplan.warnings.append(note)
     else:
-        native = plan_native(threshold, args=host.args, config_path="{release_dir}/" + ADAPTIVE_CONFIG)
+        args = _speculation_args(host, context, base)
+        native = plan_native(threshold, args=args, config_path="{release_dir}/" + ADAPTIVE_CONFIG)
         artifacts = {ADAPTIVE_CONFIG: native.config_json} if native.config_json else {}
-        argv = server_argv(host, native.argv)
+        argv = launch(list(native.argv))
         diff = "" if not artifacts else f"--- /dev/null\n+++ b/{ADAPTIVE_CONFIG}\n" + "".join(
             f"+{line}\n" for line in native.config_json.splitlines())
         dplan = DeployPlan(host, state.version, strategy, threshold, [], diff, argv, baseline, artifacts,
                            list(native.warnings), patch_detail=state.detail,
                            effective_threshold=native.effective_threshold)
     dplan.noop = _already_deployed(dplan, state.release, context["info"])
+    if base is not None:
+        dplan.warnings.append(f"the launch argv builds on {base[1]}, keeping its own flags; --use-config-args "
+                              f"launches the configured args instead")
     operator = context.get("operator")
     if operator:
         dplan.operator = dict(operator, argv_diff=_argv_diff(operator.get("cmdline") or [], argv))
@@ -117,6 +130,20 @@ def plan_deploy(agent: AgentClient, host: HostConfig, threshold: Any) -> DeployP
     elif context.get("not_ours") and not dplan.noop:
         dplan.warnings.append(f"{context['not_ours']}: the deploy will be refused (exit 3) while it is there")
     return dplan
+
+
+def _speculation_args(host: HostConfig, context: dict[str, Any], base: tuple[list[str], str] | None) -> list[str]:
+    """The launch flags the native planner reads (steps, topk, algorithm): the base launch's, with the `--config`
+    YAML it names merged in on the host as sglang merges it; a file that cannot be read is named (exit 3)."""
+    which = "configured" if base is None else ("operator" if context.get("operator") else "adopted")
+    args = list(host.args) if base is None else adoption.without_own_flags(base[0])
+    found = (context.get("config_files") or {}).get(which)
+    if found is None:
+        return args
+    if "error" in found:
+        raise PreflightError(f"{host.name}: the launch's --config cannot be read on the host ({found['error']}); "
+                             f"its speculation settings decide the adaptive config; nothing was changed")
+    return adoption.without_own_flags(found["argv"])
 
 
 def _argv_diff(running: list[str], wanted: list[str]) -> str:
@@ -171,12 +198,12 @@ class DeployOutcome:
 def deploy_threshold(agent: AgentClient, host: HostConfig, threshold: Any, on_event: events.EventSink = events.ignore,
                      confirm: Confirm = proceed, *, dry_run: bool = False, grace: float = 60.0,
                      ready_timeout: float = 900.0, soak: float = DEFAULT_SOAK_S,
-                     adopt: Adopt = never_adopt) -> DeployOutcome:
+                     adopt: Adopt = never_adopt, use_config_args: bool = False) -> DeployOutcome:
     """`dynctl deploy` and the TUI's `d`: plan, warn, stop at a dry run or at nothing to do, confirm, deploy.
 
     The operator's server on the port (not started by dynctl) is taken over only on the operator's word for
     it (`adopt`); without it the deploy is refused before anything changes (exit 3)."""
-    plan = plan_deploy(agent, host, threshold)
+    plan = plan_deploy(agent, host, threshold, use_config_args)
     for warning in plan.warnings:
         on_event(events.Warning(warning))
     if dry_run:
@@ -216,7 +243,11 @@ def rollback(agent: AgentClient, host: HostConfig, to: str | None = None,
     state = find_server(agent)
     pinned = takeover(host.name, "rollback", operator_server(state.not_ours) if state.pid is None else None, adopt)
     running = f", taking over pid {pinned['pid']} (not started by dynctl)" if pinned else ", restarting its server"
-    confirm(f"Roll {host.name} back to {to or 'the previous release'}{running}?")
+    current = (state.in_force or {}).get("release")
+    since = f" from release {current}" if current else " (no release is in force)"
+    target = ("baseline (the adopted launch, else the configured one; no release)" if to == BASELINE
+              else f"release {to}" if to else "the release before it")
+    confirm(f"Roll {host.name} back{since} to {target}{running}?")
     params = {"baseline_argv": server_argv(host), "to": to, "grace": grace, "ready_timeout": ready_timeout,
               "soak": soak}
     if pinned is not None:
@@ -229,7 +260,10 @@ def set_threshold(agent: AgentClient, threshold: Any, on_event: events.EventSink
     """Change the threshold without a restart, then report the value actually in force."""
     value = parse_threshold(threshold)
     name = agent.host.name
-    confirm(f"Set the live threshold of {name} to {value}?")
+    current = live_threshold(agent)
+    now = f"from {current} " if current is not None else "(the server reports none now) "
+    confirm(f"Set the live threshold of {name} {now}to {value}, without a restart (a restart goes back to the "
+            f"release's value unless --keep-live-threshold)?")
     state = read_patch_state(agent)
     if state.strategy == "native":
         raise PreflightError(

@@ -105,7 +105,7 @@ class HostFeed:
             try:
                 client = self._open_client()
                 items: Iterable[dict[str, Any]] = client.stream(
-                    "watch", interval=self.interval, log_lines=self.log_lines)
+                    "watch", interval=self.interval, log_lines=self.log_lines, gpu_procs=True)
                 for item in items:
                     if not self._current(generation):
                         return  # leaving the loop closes the stream, which ends the agent

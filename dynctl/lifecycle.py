@@ -162,7 +162,8 @@ def describe(state: ServerState) -> str:
     if state.pid is None:
         return "down"
     up = f", up {state.uptime_s:.0f} s" if state.uptime_s is not None else ""
-    return f"{state.state}, pid {state.pid} (found by {state.source}{up})"
+    how = "adopted: not started by dynctl" if state.source == "adopted" else f"found by {state.source}"
+    return f"{state.state}, pid {state.pid} ({how}{up})"
 
 
 # --------------------------------------------------------------------------- the commands
@@ -246,20 +247,75 @@ def start(agent: AgentClient, host: HostConfig, ready_timeout: float = 900.0, on
 
 def restart(agent: AgentClient, host: HostConfig, grace: float = 60.0, ready_timeout: float = 900.0,
             on_event: EventSink = events.ignore, confirm: Confirm = proceed,
-            adopt: Adopt = never_adopt) -> dict[str, Any]:
+            adopt: Adopt = never_adopt, keep_live_threshold: bool = False) -> dict[str, Any]:
     """`dynctl restart` and the TUI's `R`: the launch argv of the release in force, else the baseline (an
     adopted launch, else the configured one). The operator's server (not started by dynctl) is restarted only
-    on the operator's word (`adopt`), which adopts it first: with no release in force it comes back as it was."""
+    on the operator's word (`adopt`), which adopts it first: with no release in force it comes back as it was.
+
+    A threshold changed live (`dynctl threshold`) goes back to the launch's value, and the question says so;
+    `keep_live_threshold` starts the launch with the live value instead."""
     state = find_server(agent)
     operator = operator_server(state.not_ours) if state.pid is None else None
     pinned = takeover(host.name, "restart", operator, adopt)
     argv, how = launch_in_force(state, host)
     if pinned is not None and not (state.in_force or {}).get("argv"):
         argv, how = list(operator["cmdline"]), f"its own launch (pid {operator['pid']}, adopted as the baseline)"
+    given, note = None, ""
+    live = live_threshold(agent) if state.pid is not None else None
+    launched = threshold_of(argv)
+    if live is not None and live != launched:
+        if keep_live_threshold and launched is not None:
+            given = with_threshold(argv, live)
+            how += f", its threshold {launched} replaced by the live {live}"
+            argv = given
+        elif keep_live_threshold:
+            raise PreflightError(f"{host.name}: --keep-live-threshold: the launch ({how}) sets no {sglang.THRESHOLD_FLAG} "
+                                 f"to replace (a native or baseline launch); nothing was changed")
+        else:
+            note = (f"; the live threshold {live} goes back to "
+                    f"{launched if launched is not None else 'none (the launch sets none)'}, the launch's value "
+                    f"(--keep-live-threshold keeps {live})")
+            on_event(events.Warning(f"threshold {live} was set live; the restart goes back to the launch's "
+                                    f"{launched if launched is not None else 'none'}"))
     running = describe(state) if pinned is None else f"pid {operator['pid']}, not started by dynctl, taken over"
-    confirm(f"Restart the server on {host.name} ({running}) with {how}: {' '.join(sglang.redact_argv(argv))}?")
-    return restart_server(agent, None, grace=grace, ready_timeout=ready_timeout, on_event=on_event,
-                          baseline_argv=server_argv(host), adopt=pinned)
+    confirm(f"Restart the server on {host.name} ({running}) with {how}: {' '.join(sglang.redact_argv(argv))}{note}?")
+    return restart_server(agent, given, grace=grace, ready_timeout=ready_timeout, on_event=on_event,
+                          baseline_argv=server_argv(host), adopt=pinned,
+                          release=(state.in_force or {}).get("release") if given is not None else None)
+
+
+def live_threshold(agent: AgentClient) -> int | None:
+    """The threshold the running server reports in force (/server_info), or None when it reports none."""
+    try:
+        info = agent.call("server_info").get("info")
+    except AgentError:
+        return None
+    return sglang.threshold_in_force(info) if info else None
+
+
+def threshold_of(argv: Sequence[str]) -> int | None:
+    """The threshold a launch argv sets (the last one, as argparse reads it), or None."""
+    found = None
+    for i, arg in enumerate(argv):
+        flag, eq, value = arg.partition("=")
+        if flag == sglang.THRESHOLD_FLAG:
+            raw = value if eq else (argv[i + 1] if i + 1 < len(argv) else None)
+            try:
+                found = int(raw) if raw is not None else None
+            except ValueError:
+                found = None
+    return found
+
+
+def with_threshold(argv: Sequence[str], threshold: int) -> list[str]:
+    """argv with every threshold flag's value replaced by `threshold`."""
+    out = list(argv)
+    for i, arg in enumerate(out):
+        if arg == sglang.THRESHOLD_FLAG and i + 1 < len(out):
+            out[i + 1] = str(threshold)
+        elif arg.startswith(sglang.THRESHOLD_FLAG + "="):
+            out[i] = f"{sglang.THRESHOLD_FLAG}={threshold}"
+    return out
 
 
 # --------------------------------------------------------------------------- one agent verb each
@@ -376,7 +432,7 @@ def wait_ready(agent: AgentClient, ready_timeout: float = 900.0,
 def restart_server(agent: AgentClient, argv: Sequence[str] | None = None, env: dict[str, str] | None = None,
                    grace: float = 60.0, ready_timeout: float = 900.0,
                    on_event: EventSink = events.ignore, baseline_argv: Sequence[str] | None = None,
-                   adopt: dict[str, Any] | None = None) -> dict[str, Any]:
+                   adopt: dict[str, Any] | None = None, release: str | None = None) -> dict[str, Any]:
     """stop → start → wait as ONE operation on the host (a dropped connection cannot leave it between, and
     the client follows it through reconnects).
 
@@ -389,6 +445,8 @@ def restart_server(agent: AgentClient, argv: Sequence[str] | None = None, env: d
         params["adopt"] = adopt
     if argv is not None:
         params.update(argv=list(argv), env=dict(env or {}))
+        if release is not None:
+            params.update(release=release)
     elif baseline_argv is not None:
         params.update(baseline_argv=list(baseline_argv))
 
@@ -409,6 +467,11 @@ def _start_failed(err: AgentError, on_event: EventSink) -> ServerStartFailed:
 
 def read_log(agent: AgentClient, lines: int = 100) -> list[str]:
     return list(agent.call("server_logs", lines=lines)["lines"])
+
+
+def log_utc_offset(agent: AgentClient) -> float | None:
+    """Seconds east of UTC of the host's clock, in which the server stamps its log; None from an older agent."""
+    return agent.call("server_logs", lines=0).get("utc_offset")
 
 
 def follow_log(agent: AgentClient, lines: int = 20, max_seconds: float | None = None) -> Iterator[str]:

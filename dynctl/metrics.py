@@ -135,20 +135,29 @@ def read_server_metrics(text: str) -> ServerMetrics:
 
 # --------------------------------------------------------------------------- sglang log lines
 
-# The prefix sglang's logger puts on every line: `[%(asctime)s{.msecs}{ DPi}{ TPj}...] ` with
-# datefmt "%Y-%m-%d %H:%M:%S" (sglang 0.5.9 utils/common.py:1216-1232 configure_logger; rank
-# parts from managers/scheduler.py:3081-3096). sglang's own parser (0.5.14
-# debug_utils/log_parser.py `_PATTERN_DECODE`) reads the same prefix.
+# The prefixes sglang's loggers have put on a line since 0.4, each read the same way (time, ranks, message):
+# - `[%(asctime)s{.msecs}{ DPi}{ TPj}{ PPk}] `, datefmt "%Y-%m-%d %H:%M:%S" (sglang 0.5.9 utils/common.py:1216-1232
+#   configure_logger; rank parts from managers/scheduler.py:3081-3096); sglang's own parser (0.5.14
+#   debug_utils/log_parser.py `_PATTERN_DECODE`) reads the same prefix;
+# - the same with a time of day only (`[%H:%M:%S TP0] `, older releases and a `--log-config` of that kind);
+# - the logging-module form, `2026-03-18 11:22:05.874 INFO 120984 [ TP0 scheduler_metrics_mixin.py:415] `;
+# - a Ray actor's `(Worker pid=N, ip=A) ` in front of any of them.
+_RAY = r"(?:\(\w+ pid=\d+(?:,\s*ip=[\d.]+)?\)\s*)?"
+_RANKS = r"(?P<ranks>(?:\s*[A-Z_]+\d+)*)"
 _PREFIX = re.compile(
-    r"^(?:\(\w+ pid=\d+(?:,\s*ip=[\d.]+)?\)\s*)?"
-    r"\[(?P<time>\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2})(?:\.(?P<ms>\d{3}))?(?P<ranks>(?:\s+[A-Z_]+\d+)*)\]\s?"
+    "^" + _RAY + r"(?:"
+    r"\[(?P<time>(?:\d{4}-\d{2}-\d{2} )?\d{2}:\d{2}:\d{2})(?:[.,](?P<ms>\d{3}))?" + _RANKS + r"\]\s?"
+    r"|(?P<ltime>\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2})(?:[.,](?P<lms>\d{3}))?\s+[A-Z]+\s+(?:\d+\s+)?"
+    r"\[(?P<lranks>(?:\s*[A-Z_]+\d+)*)\s*[\w.]+:\d+\]\s?"
+    r")"
 )
 _RANK = re.compile(r"([A-Z_]+?)(\d+)")
 
 # "Decode batch[ [iter]], #running-req: 64, #token: 81234, token usage: 0.12, accept len: 2.71, ..."
 # built in sglang 0.5.9 managers/scheduler_metrics_mixin.py:304-415 (log_decode_stats); the
 # fields in the middle vary (hybrid SWA/mamba, PD decode), so read it as `key: value` pairs.
-_DECODE = re.compile(r"Decode batch(?: \[(?P<iter>\d+)\])?, (?P<body>.*)$")
+# The period form "Decode batch. #running-req: ..." of older releases reads like the comma form.
+_DECODE = re.compile(r"Decode batch(?: \[(?P<iter>\d+)\])?[.,] (?P<body>.*)$")
 _PAIR = re.compile(r"(?:^|, )(?P<key>[^:,]+): (?P<value>[^,]*)")
 
 # The threshold patch's transition line (SPEC §4; patches/spec_batch_threshold.py `decide`):
@@ -184,13 +193,30 @@ def parse_log_time(stamp: str, utc_offset: float | None = None) -> float:
     return base + (int(frac) / 1000.0 if frac else 0.0)
 
 
-def split_log_prefix(line: str, utc_offset: float | None = None) -> LogPrefix:
+def split_log_prefix(line: str, utc_offset: float | None = None, now: float | None = None) -> LogPrefix:
+    """The time, ranks and message of an sglang log line; a line without a prefix sglang writes is all message.
+
+    A time of day alone is dated to the last such moment at or before `now` (default: this moment).
+    """
     m = _PREFIX.match(line)
     if not m:
         return LogPrefix(None, {}, line.rstrip("\n"))
-    stamp = m.group("time") + (f".{m.group('ms')}" if m.group("ms") else "")
-    ranks = {name: int(num) for name, num in _RANK.findall(m.group("ranks") or "")}
-    return LogPrefix(parse_log_time(stamp, utc_offset), ranks, line[m.end():].rstrip("\n"))
+    stamp, ms = (m.group("time"), m.group("ms")) if m.group("time") else (m.group("ltime"), m.group("lms"))
+    ranks_text = m.group("ranks") if m.group("time") else m.group("lranks")
+    ranks = {name: int(num) for name, num in _RANK.findall(ranks_text or "")}
+    if len(stamp) == 8:  # HH:MM:SS
+        stamp = _date_of(stamp, utc_offset, time.time() if now is None else now) + " " + stamp
+    when = parse_log_time(stamp + (f".{ms}" if ms else ""), utc_offset)
+    return LogPrefix(when, ranks, line[m.end():].rstrip("\n"))
+
+
+def _date_of(clock: str, utc_offset: float | None, now: float) -> str:
+    """The date of the latest `clock` (HH:MM:SS) at or before `now`, in the log's zone."""
+    shift = (lambda t: time.gmtime(t + utc_offset)) if utc_offset is not None else time.localtime
+    today = time.strftime("%Y-%m-%d", shift(now))
+    if parse_log_time(f"{today} {clock}", utc_offset) <= now + 1:
+        return today
+    return time.strftime("%Y-%m-%d", shift(now - 86400))
 
 
 @dataclass(frozen=True)
@@ -198,6 +224,7 @@ class DecodeLine:
     time: float | None
     tp_rank: int | None
     dp_rank: int | None
+    pp_rank: int | None
     running_reqs: int | None
     tokens: int | None
     token_usage: float | None
@@ -232,6 +259,7 @@ def parse_decode_line(line: str, utc_offset: float | None = None) -> DecodeLine 
         time=prefix.time,
         tp_rank=prefix.ranks.get("TP"),
         dp_rank=prefix.ranks.get("DP"),
+        pp_rank=prefix.ranks.get("PP"),
         running_reqs=_num(fields.get("#running-req"), int),
         tokens=_num(fields.get("#token", fields.get("#full token")), int),
         token_usage=_num(usage, float),

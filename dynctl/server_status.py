@@ -14,10 +14,13 @@ from dynctl.snapshot import HostSnapshot, build_snapshot
 def sample_server(agent: AgentClient, simulated: bool = False) -> HostSnapshot:
     """One snapshot: server state, threshold, batch, speculation, tok/s, accept length, GPUs, log tail."""
     snap = None
-    # the first sample may come before the host's nvidia-smi answered: give it two more short intervals
-    for item in agent.stream("watch", interval=0.2, max_items=3, log_lines=5):
+    # the first sample may come before the host's nvidia-smi answered, and tok/s is a counter's rate, which
+    # needs two readings MIN_RATE_SPAN_S apart: a few short intervals give both
+    for item in agent.stream("watch", interval=0.35, max_items=5, log_lines=5):
         snap = build_snapshot(item, agent.host.name, snap, simulated=simulated)
-        if not (snap.gpu_error or "").startswith("waiting for"):
+        tok_s = snap.readings.get("gen_throughput")
+        rate_pending = bool(snap.counter_window) and (tok_s is None or tok_s.source != "counter")
+        if not (snap.gpu_error or "").startswith("waiting for") and not rate_pending:
             return snap
     if snap is None:
         raise OperationFailed(f"{agent.host.name}: the watch stream ended without a sample")
@@ -37,6 +40,9 @@ def server_section(agent: AgentClient, simulated: bool = False) -> dict[str, Any
         "token_usage": snap.token_usage, "spec_warning": snap.spec_warning, "metrics_error": snap.metrics_error,
         "gpus": [asdict(g) for g in snap.gpus], "gpu_error": snap.gpu_error,
         "not_ours": snap.not_ours, "leftovers": list(snap.leftovers),
+        # where each live number came from and how old it was: a gauge minutes old is not live
+        "sources": {name: reading.to_dict() for name, reading in snap.readings.items()},
+        "sampled_at": snap.time,
     }
     return {"server": data, "patch": {"status": patch.status, "detail": patch.detail, "strategy": patch.strategy,
                                       "current_release": patch.current,

@@ -282,3 +282,112 @@ def gpu_query_argv(smi: str = "nvidia-smi") -> list:
 
 def apps_query_argv(smi: str = "nvidia-smi") -> list:
     return [smi, "--query-compute-apps=" + ",".join(APPS_QUERY), CSV_FORMAT]
+
+
+# --------------------------------------------------------------------------- --config file.yaml
+
+CONFIG_FLAG = "--config"
+
+
+def read_config_yaml(path):
+    """The mapping of a `--config` YAML, as sglang reads it (PyYAML's safe_load where it imports, else a reader
+    of the flat `key: value` mapping such a file is); raises ValueError naming the file (and line)."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    try:
+        import yaml
+    except ImportError:
+        data = _flat_yaml(text, path)
+    else:
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            raise ValueError("%s: not YAML: %s" % (path, err))
+    data = {} if data is None else data
+    if not isinstance(data, dict):
+        raise ValueError("%s: a config file must hold a mapping of server arguments, not %s"
+                         % (path, type(data).__name__))
+    return data
+
+
+def _flat_yaml(text, path):
+    data = {}
+    for lineno, raw in enumerate(text.splitlines(), 1):
+        if not raw.strip() or raw.lstrip().startswith("#") or raw.strip() == "---":
+            continue
+        if raw[0] in " \t-":  # a nested value or list item: no server flag dynctl reads is one
+            continue
+        key, sep, value = raw.partition(":")
+        if not sep:
+            raise ValueError("%s line %d: expected `key: value`, got %r" % (path, lineno, raw))
+        value = value.strip()
+        if value[:1] in ("'", '"') and value[0] in value[1:]:
+            value = value[1:value.index(value[0], 1)]
+        else:
+            value = value.split(" #", 1)[0].strip()
+            lower = value.lower()
+            if lower in ("true", "yes", "on"):
+                value = True
+            elif lower in ("false", "no", "off"):
+                value = False
+            elif value in ("", "~", "null"):
+                value = None
+        data[key.strip()] = value
+    return data
+
+
+def config_args(data, store_true=()):
+    """The flags sglang puts in place of `--config FILE` (srt/server_args_config_parser.py ConfigArgumentMerger):
+    `--key value` with the key as written; a store_true flag only when true; lists as several values."""
+    args = []
+    for key, value in data.items():
+        if isinstance(value, bool):
+            if key.replace("-", "_") in store_true:
+                args += ["--%s" % key] if value else []
+            else:
+                args += ["--%s" % key, str(value).lower()]
+        elif isinstance(value, list):
+            args += (["--%s" % key] + [str(v) for v in value]) if value else []
+        else:
+            args += ["--%s" % key, str(value)]
+    return args
+
+
+def merge_config_args(argv, store_true=(), cwd=None):
+    """argv with its `--config FILE` replaced by the file's flags, placed first so the command line wins."""
+    argv = list(argv)
+    if CONFIG_FLAG not in argv:
+        return argv
+    at = argv.index(CONFIG_FLAG)
+    if at + 1 >= len(argv):
+        raise ValueError("No config file specified after --config flag!")
+    path = argv[at + 1]
+    if cwd and not os.path.isabs(path):
+        path = os.path.join(cwd, path)
+    return config_args(read_config_yaml(path), store_true) + argv[:at] + argv[at + 2:]
+
+
+# --------------------------------------------------------------------------- the flags dynctl sets itself
+
+# flag: how many values it takes; a deploy sets these anew on whatever launch it builds on
+OWN_LAUNCH_FLAGS = {THRESHOLD_FLAG: 1, ADAPTIVE_CONFIG_FLAG: 1, ADAPTIVE_FLAG: 0, "--port": 1, "--enable-metrics": 0}
+
+
+def without_flags(argv, flags):
+    """argv without `flags` ({flag: number of values}), in both `--flag v` and `--flag=v` spellings."""
+    out, skip = [], 0
+    for arg in argv:
+        if skip:
+            skip -= 1
+            continue
+        flag, eq, _ = arg.partition("=")
+        if flag in flags:
+            skip = 0 if eq else flags[flag]
+            continue
+        out.append(arg)
+    return out
+
+
+def same_launch(argv, other):
+    """argv and other are one launch but for the flags dynctl sets itself (port, metrics, threshold, adaptive)."""
+    return without_flags(argv, OWN_LAUNCH_FLAGS) == without_flags(other, OWN_LAUNCH_FLAGS)

@@ -17,6 +17,7 @@ from dynctl.metrics import (
     GpuStat,
     MetricsFormatError,
     ServerMetrics,
+    parse_compute_apps_csv,
     parse_decode_line,
     parse_gpu_csv,
     parse_threshold_warning,
@@ -28,6 +29,28 @@ from dynctl.metrics import (
 LOG_RESTARTED = "──── log restarted (new server run) ────"
 SERVER_STATES = ("down", "starting", "ready", "draining", "unresponsive", "unknown")
 _DRAIN_MARK = "SIGTERM received"  # sglang 0.5.9 tokenizer_manager.py:2502, logged when a drain begins
+# tok/s is the rate of sglang:generation_tokens_total over this window: once load stops it reads 0 within it,
+# while the gen_throughput gauge keeps its last value (sglang refreshes it on a decode log line only).
+RATE_WINDOW_S = 5.0
+MIN_RATE_SPAN_S = 1.0  # a shorter span between two counter readings says too little
+STALE_AFTER_S = 10.0  # a number read from a gauge or a log line older than this is shown as stale
+
+
+@dataclass(frozen=True)
+class Reading:
+    """Where a number came from and how old it was at the sample: `counter` (a rate over the window),
+    `/v1/loads`, `metrics` (a gauge, as old as the last decode step that set it), `log`, `server_info`."""
+
+    source: str
+    age_s: float | None = None  # None: unknown
+
+    @property
+    def stale(self) -> bool:
+        return self.age_s is not None and self.age_s > STALE_AFTER_S
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"source": self.source, "age_s": None if self.age_s is None else round(self.age_s, 1),
+                "stale": self.stale}
 
 
 @dataclass(frozen=True)
@@ -38,6 +61,17 @@ class Switch:
     enabled: bool
     batch_size: int | None = None
     threshold: int | None = None
+
+
+@dataclass(frozen=True)
+class GpuHolder:
+    """A process holding memory on a GPU, as nvitop lists it."""
+
+    gpu: int | None  # the GPU's index; None when nvidia-smi named a GPU the GPU rows do not show
+    pid: int
+    user: str | None
+    used_mib: float | None
+    command: str | None
 
 
 @dataclass(frozen=True)
@@ -73,6 +107,7 @@ class HostSnapshot:
     disabled_steps: float | None = None
     gpus: tuple[GpuStat, ...] = ()
     gpu_error: str | None = None
+    gpu_processes: tuple[GpuHolder, ...] = ()
     log_lines: tuple[str, ...] = ()
     log_replace: bool = False  # a new stream: these lines replace the tail instead of extending it
     log_restarted: bool = False  # the log file was truncated or replaced (a new server run)
@@ -88,6 +123,10 @@ class HostSnapshot:
     server_info: dict[str, Any] = field(default_factory=dict, repr=False)
     drain_pid: int | None = None
     process_started: float | None = None
+    readings: dict[str, Reading] = field(default_factory=dict)  # source and age of each live number
+    counter_window: tuple[tuple[float, float], ...] = field(default=(), repr=False)  # (t, generation tokens)
+    last_decode_time: float | None = field(default=None, repr=False)  # of the newest decode line seen
+    info_time: float | None = field(default=None, repr=False)  # when /server_info last answered
 
 
 def latest_switch(switches: list[Switch] | tuple[Switch, ...]) -> Switch | None:
@@ -152,8 +191,11 @@ def build_snapshot(item: dict[str, Any], host: str, prev: HostSnapshot | None = 
     carried = prev.server_info if prev is not None and same_run else {}
     if info_part is not None and info_part.get("ok"):
         info = info_part.get("data") or {}
+        info_time = t
     else:  # not sampled this time, or slow to answer: the last one of the same server run still holds
         info = carried
+        info_time = prev.info_time if prev is not None and same_run else None
+    info_age = None if info_time is None else max(0.0, t - info_time)
     state_info = info.get("internal_state") or {}
 
     log = item.get("log") or {}
@@ -190,7 +232,38 @@ def build_snapshot(item: dict[str, Any], host: str, prev: HostSnapshot | None = 
 
     running = _first(live[0], metrics.running_reqs, decode.running_reqs if decode else None) if up else None
     queue = _first(live[1], metrics.queue_reqs, decode.queue_reqs if decode else None) if up else None
+    last_decode = _first(decode.time if decode else None, prev.last_decode_time if same_run and prev else None)
+    gauge_age = None if last_decode is None else max(0.0, t - last_decode)
+    window = _counter_window(prev.counter_window if same_run and prev else (), t, metrics.generation_tokens) if up else ()
+    rate = _rate(window)
+    readings: dict[str, Reading] = {}
+    if up:
+        for name, loads_value, gauge_value in (("running_reqs", live[0], metrics.running_reqs),
+                                               ("queue_reqs", live[1], metrics.queue_reqs)):
+            readings[name] = (Reading("/v1/loads", 0.0) if loads_value is not None else
+                              Reading("metrics", gauge_age) if gauge_value is not None else Reading("log", gauge_age))
+        readings["gen_throughput"] = (Reading("counter", 0.0) if rate is not None else
+                                      Reading("metrics", gauge_age) if metrics.gen_throughput is not None
+                                      else Reading("log", gauge_age))
+        readings["token_usage"] = (Reading("/v1/loads", 0.0) if live[2] is not None else
+                                   Reading("metrics", gauge_age) if metrics.token_usage is not None
+                                   else Reading("log", gauge_age))
+        readings["accept_length"] = (Reading("metrics", gauge_age) if metrics.accept_length is not None else
+                                     Reading("log", gauge_age) if decode is not None and decode.accept_length
+                                     is not None else Reading("/server_info", info_age))
+        # the patch's gauge changes at every decode step that flips it, so it is as fresh as the sample
+        readings["speculation"] = (Reading("metrics", 0.0) if metrics.spec_enabled is not None else
+                                   Reading("log", 0.0) if switches else Reading("inferred", None))
+        readings["threshold"] = (Reading("/server_info", info_age) if _int_or_none(state_info.get(sglang.THRESHOLD_KEY))
+                                 is not None else Reading("metrics", 0.0) if metrics.spec_threshold is not None
+                                 else Reading("/server_info", info_age))
     gpus, gpu_error = _read_gpus(item.get("gpus") or {})
+    gpu_part = item.get("gpus") or {}
+    if gpus and gpu_part.get("t") is not None:  # the looping nvidia-smi's last full block
+        readings["gpus"] = Reading("nvidia-smi", max(0.0, t - float(gpu_part["t"])))
+    holders = _read_holders(item.get("gpu_procs"), gpus)
+    if holders is None:
+        holders = prev.gpu_processes if prev is not None else ()
 
     lock = item.get("lock") or None
     operation = None
@@ -231,7 +304,7 @@ def build_snapshot(item: dict[str, Any], host: str, prev: HostSnapshot | None = 
         token_usage=_first(live[2], metrics.token_usage, decode.token_usage if decode else None) if up else None,
         used_tokens=_first(metrics.used_tokens, decode.tokens if decode else None) if up else None,
         max_total_tokens=metrics.max_total_tokens if up else None,
-        gen_throughput=_first(metrics.gen_throughput, decode.gen_throughput if decode else None) if up else None,
+        gen_throughput=_first(rate, metrics.gen_throughput, decode.gen_throughput if decode else None) if up else None,
         accept_length=_first(metrics.accept_length, decode.accept_length if decode else None,
                              state_info.get("avg_spec_accept_length")) if up and spec_configured is not False else None,
         spec_configured=spec_configured,
@@ -240,6 +313,7 @@ def build_snapshot(item: dict[str, Any], host: str, prev: HostSnapshot | None = 
         disabled_steps=metrics.spec_disabled_steps if up else None,
         gpus=gpus,
         gpu_error=gpu_error,
+        gpu_processes=holders,
         log_lines=lines,
         log_replace=item.get("seq") == 0,
         log_restarted=bool(log.get("reset")),
@@ -253,7 +327,27 @@ def build_snapshot(item: dict[str, Any], host: str, prev: HostSnapshot | None = 
         server_info=info,
         drain_pid=drain_pid,
         process_started=started,
+        readings=readings,
+        counter_window=window,
+        last_decode_time=last_decode,
+        info_time=info_time,
     )
+
+
+def _counter_window(window: tuple[tuple[float, float], ...], t: float,
+                    value: float | None) -> tuple[tuple[float, float], ...]:
+    """The (time, counter) readings of the last RATE_WINDOW_S, this one added; a reset (restart) starts anew."""
+    if value is None:
+        return ()
+    kept = [(when, v) for when, v in window if t - when <= RATE_WINDOW_S and v <= value and when < t]
+    return (*kept, (t, value))
+
+
+def _rate(window: tuple[tuple[float, float], ...]) -> float | None:
+    """Tokens per second over the window, or None while it spans less than MIN_RATE_SPAN_S."""
+    if len(window) < 2 or window[-1][0] - window[0][0] < MIN_RATE_SPAN_S:
+        return None
+    return (window[-1][1] - window[0][1]) / (window[-1][0] - window[0][0])
 
 
 def _read_marks(marks: Any, t: float, offset: float | None, pid: int | None, started: float | None,
@@ -273,6 +367,21 @@ def _read_marks(marks: Any, t: float, offset: float | None, pid: int | None, sta
         elif _DRAIN_MARK in mark and pid is not None and this_run(split_log_prefix(mark, offset).time):
             drain_pid = pid
     return switches, drain_pid, spec_warning
+
+
+def _read_holders(part: dict[str, Any] | None, gpus: tuple[GpuStat, ...]) -> tuple[GpuHolder, ...] | None:
+    """The processes on the GPUs, by GPU index and memory; None when this sample carries no list."""
+    if not part or not part.get("ok"):
+        return None
+    try:
+        procs = parse_compute_apps_csv(part.get("csv", ""))
+    except MetricsFormatError:
+        return None
+    index = {g.uuid: g.index for g in gpus if g.uuid}
+    owners = part.get("owners") or {}
+    out = [GpuHolder(index.get(p.gpu_uuid), p.pid, (owners.get(str(p.pid)) or {}).get("user"), p.used_mib,
+                     (owners.get(str(p.pid)) or {}).get("command") or p.process_name) for p in procs]
+    return tuple(sorted(out, key=lambda h: (h.gpu if h.gpu is not None else 1 << 30, -(h.used_mib or 0), h.pid)))
 
 
 def _read_gpus(part: dict[str, Any]) -> tuple[tuple[GpuStat, ...], str | None]:

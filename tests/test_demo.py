@@ -74,6 +74,19 @@ def test_register_keeps_the_operators_config(tmp_path):
     assert path.read_text().startswith(original)
 
 
+def test_register_replaces_an_old_demo_section_in_any_spelling_and_keeps_what_follows(tmp_path):
+    path = tmp_path / "config.toml"
+    path.write_text('default_host = "glm5"\n\n[hosts.demo]   # from an older demo\nport = 1\n[hosts.demo.env]\n'
+                    'A = "1"\n\n# the production box, keep\n[hosts.glm5]\nssh = "root@pve"  # via the jump host\n')
+    register_demo_host({"port": 30003, "env": {"B": "2"}}, str(path))
+    text = path.read_text()
+    cfg = load_config(path)
+    assert cfg.hosts["demo"].port == 30003 and cfg.hosts["demo"].env == {"B": "2"}
+    assert cfg.hosts["glm5"].ssh is not None and cfg.default_host == "glm5"
+    assert "# the production box, keep\n[hosts.glm5]" in text and "# via the jump host" in text
+    assert text.count("[hosts.demo]") == 1 and "A = " not in text
+
+
 def test_register_refuses_a_broken_config(tmp_path):
     path = tmp_path / "config.toml"
     path.write_text("[hosts.a\n")

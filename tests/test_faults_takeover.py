@@ -267,6 +267,10 @@ def test_deploy_yes_refuses_the_operators_server_and_adopt_takes_it_over(demo_bo
     assert dry.returncode == 0, dry.stderr
     assert f"pid {op.pid} on the port was not started by dynctl" in dry.stdout.replace("\n", " ")
     plan = json.loads(dynctl("deploy", "--threshold", "5", "--dry-run", "--json", config=config).stdout)
+    assert plan["launch_argv"] == [*standin_argv(session(config).host.port), "--speculative-disable-batch-threshold",
+                                   "5", "--enable-metrics"]  # its own launch, dynctl's flags added
+    plan = json.loads(dynctl("deploy", "--threshold", "5", "--dry-run", "--json", "--use-config-args",
+                             config=config).stdout)
     assert plan["operator_server"]["pid"] == op.pid and plan["operator_server"]["started_by_dynctl"] is False
     assert plan["operator_server"]["cmdline"] == standin_argv(session(config).host.port)
     assert "-`sglang.launch_server`" in plan["operator_server"]["argv_diff"]
@@ -283,7 +287,8 @@ def test_deploy_yes_refuses_the_operators_server_and_adopt_takes_it_over(demo_bo
     assert op.poll() is None and tree_sha256(config) == before
     assert not server_pid(config)
 
-    res = dynctl("deploy", "--threshold", "5", "--yes", "--adopt", config=config)
+    # the stand-in cannot run the threshold: the configured (simulated) launch takes its place
+    res = dynctl("deploy", "--threshold", "5", "--yes", "--adopt", "--use-config-args", config=config)
     assert res.returncode == 0, res.stdout + res.stderr
     assert op.wait(30) == 0  # taken over: SIGTERM, drained
     assert "taking over pid %d" % op.pid in " ".join(res.stdout.split())

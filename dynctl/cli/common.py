@@ -119,14 +119,18 @@ def open_host(host_name: str | None, config_path: str | None) -> HostSession:
     return HostSession(config, host, transport, AgentClient(transport, host))
 
 
+DECLINED = 3  # SPEC §2: nothing on the host was changed (the operator's answer was the check that failed)
+
+
 def confirm(question: str, yes: bool) -> None:
-    """Ask on a TTY; without one, require --yes (SPEC §2)."""
+    """Ask on a TTY; without one, require --yes (SPEC §2). A "no" ends the command with DECLINED."""
     if yes:
         return
     if not sys.stdin.isatty():
         raise UsageError(f"{question.rstrip('?')}: refusing without --yes (stdin is not a terminal)")
     if not typer.confirm(question, default=False):
-        raise typer.Exit(1)
+        err_console.print("declined: nothing was changed", soft_wrap=True)
+        raise typer.Exit(DECLINED)
 
 
 def adopt_word(adopt: bool, yes: bool) -> Callable[[str], bool]:

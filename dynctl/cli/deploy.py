@@ -8,7 +8,6 @@ import time
 import typer
 from rich.markup import escape
 from rich.syntax import Syntax
-from rich.table import Table
 
 from dynctl import deploy as core
 from dynctl import sglang
@@ -30,6 +29,7 @@ from dynctl.cli.common import (
 )
 from dynctl.cli.lifecycle import GraceOpt, ReadyTimeoutOpt
 from dynctl.cli.progress import EventPrinter
+from dynctl.cli.tables import print_table
 from dynctl.patching import parse_threshold
 from dynctl.transport import sh_join
 
@@ -53,6 +53,9 @@ def deploy(
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the diff and the launch argv; change nothing."),
     yes: bool = YesOpt,
     adopt: bool = AdoptOpt,
+    use_config_args: bool = typer.Option(False, "--use-config-args",
+                                         help="Launch the configured launch and args, not the operator's own launch "
+                                              "of the adopted (or taken-over) server."),
     grace: float = GraceOpt,
     ready_timeout: float = ReadyTimeoutOpt,
     soak: float = SoakOpt,
@@ -73,7 +76,8 @@ def deploy(
     t0 = time.monotonic()
     done = core.deploy_threshold(session.agent, session.host, threshold, EventPrinter(quiet=as_json, verbose=verbose),
                                  lambda question: confirm(question, yes), dry_run=dry_run, grace=grace,
-                                 ready_timeout=ready_timeout, soak=soak, adopt=adopt_word(adopt, yes))
+                                 ready_timeout=ready_timeout, soak=soak, adopt=adopt_word(adopt, yes),
+                                 use_config_args=use_config_args)
     plan = done.plan
     if dry_run:
         _print_plan(session.host.name, plan, as_json)
@@ -164,16 +168,12 @@ def releases(
     if not items:
         console.print(f"no releases on {session.host.name} yet")
         return
-    table = Table(box=None)
+    rows = [(m["id"], str(m.get("created", ""))[:19], m.get("who") or "", m.get("sglang_version") or "",
+             m.get("strategy") or "", _release_threshold(m), len(m.get("files") or []), m.get("state") or "")
+            for m in items]
     # the id is what `rollback --to` takes: never cut it, whatever the terminal's width
-    table.add_column("release", no_wrap=True, min_width=max(len(m["id"]) for m in items))
-    for name in ("created", "who", "sglang", "strategy", "threshold", "files", "state"):
-        table.add_column(name, overflow="fold")
-    for m in items:
-        table.add_row(m["id"], str(m.get("created", ""))[:19], m.get("who") or "", m.get("sglang_version") or "",
-                      m.get("strategy") or "", _release_threshold(m), str(len(m.get("files") or [])),
-                      m.get("state") or "")
-    console.print(table)
+    print_table(console, ("release", "created", "who", "sglang", "strategy", "threshold", "files", "state"), rows,
+                no_wrap=("release",))
 
 
 @handle_errors

@@ -12,6 +12,7 @@ from rich.table import Table
 from dynctl import sglang
 from dynctl.cli import fleet as fleet_cli
 from dynctl.cli.common import ConfigOpt, HostOpt, JsonOpt, console, handle_errors, open_host
+from dynctl.cli.tables import print_rich_table, print_table
 from dynctl.config import load_config
 from dynctl.errors import DynctlError
 from dynctl.inventory import HostInfo, describe_host, probe_hosts
@@ -35,17 +36,10 @@ def hosts(
     if as_json:
         console.print_json(json.dumps(sglang.redact([r.to_dict() for r in results])))
     else:
-        table = Table("host", "via", "reachable", "latency", "note", box=None, pad_edge=False)
-        for r in results:
-            note = r.error or ("simulated" if r.simulated else "")
-            table.add_row(
-                r.name,
-                r.route,
-                "[green]yes[/]" if r.reachable else "[red]no[/]",
-                f"{r.latency_ms:.1f} ms" if r.latency_ms is not None else "-",
-                note,
-            )
-        console.print(table)
+        rows = [(r.name, r.route, "yes" if r.reachable else "no",
+                 f"{r.latency_ms:.1f} ms" if r.latency_ms is not None else "-", r.error or ("simulated" if r.simulated else ""))
+                for r in results]
+        print_table(console, ("host", "via", "reachable", "latency", "note"), rows, no_wrap=("host",))
     if any(not r.reachable for r in results):
         raise typer.Exit(max(r.exit_code for r in results if not r.reachable))
 
@@ -106,11 +100,22 @@ def render_host(info: HostInfo) -> None:
     listeners = ", ".join(f"pid {p['pid']} ({' '.join(sglang.redact_argv(p.get('cmdline') or []))[:60]})"
                           for p in info.port_listeners)
     table.add_row("port", f"{info.port}  " + (listeners or "[dim]nothing listening[/]"))
-    console.print(table)
+    print_rich_table(console, table)
 
 
 def _fmt(value: Any, spec: str = "", unit: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{unit}"
+
+
+def _provenance(reading: dict[str, Any] | None) -> str:
+    """ "  (from /v1/loads)", "  [STALE: gauge 42 s old]": where a live number came from, and a stale one said."""
+    if not reading:
+        return ""
+    where = {"counter": "generation_tokens_total rate", "metrics": "gauge"}.get(reading["source"], reading["source"])
+    if reading.get("stale"):
+        return f"  [bold yellow]STALE: {where} {reading['age_s']:.0f} s old[/]"
+    age = f", {reading['age_s']:.0f} s old" if reading.get("age_s") else ""
+    return f"  [dim](from {where}{age})[/]"
 
 
 def render_server(patch: dict[str, Any], server: dict[str, Any]) -> None:
@@ -138,16 +143,21 @@ def render_server(patch: dict[str, Any], server: dict[str, Any]) -> None:
     threshold = (_fmt(live) if live is not None else
                  "[dim]unknown[/]" if server.get("state") == "down" else "[dim]none reported by /server_info[/]")
     if server.get("release_threshold") is not None and server.get("release_threshold") != live:
-        threshold += f"  [dim](release {server.get('release')} recorded {server['release_threshold']})[/]"
+        threshold += (f"  [yellow](differs from release {server.get('release')}: {server['release_threshold']}; "
+                      f"a restart goes back to it unless --keep-live-threshold)[/]" if live is not None else
+                      f"  [dim](release {server.get('release')} recorded {server['release_threshold']})[/]")
     table.add_row("threshold", threshold)
-    table.add_row("batch size", f"{_fmt(server.get('batch_size'))} running, {_fmt(server.get('queue'))} queued")
+    sources = server.get("sources") or {}
+    table.add_row("batch size", f"{_fmt(server.get('batch_size'))} running, {_fmt(server.get('queue'))} queued"
+                                f"{_provenance(sources.get('running_reqs'))}")
     spec = server.get("speculation")
     spec_text = "[dim]unknown[/]" if spec is None else ("[green]ON[/]" if spec else "[yellow]OFF[/]")
     switch = server.get("last_switch")
     if switch:
         spec_text += f"  [dim](last switch at batch {switch.get('batch_size')})[/]"
     table.add_row("speculation", spec_text)
-    table.add_row("throughput", f"{_fmt(server.get('gen_throughput'), '.1f')} tok/s, accept length "
+    table.add_row("throughput", f"{_fmt(server.get('gen_throughput'), '.1f')} tok/s"
+                                f"{_provenance(sources.get('gen_throughput'))}, accept length "
                                 f"{_fmt(server.get('accept_length'), '.2f')}")
     gpus = server.get("gpus") or []
     if gpus:
@@ -161,4 +171,4 @@ def render_server(patch: dict[str, Any], server: dict[str, Any]) -> None:
         table.add_row("GPUs", f"[dim]{server['gpu_error']}[/]")
     if server.get("spec_warning"):
         table.add_row("warning", f"[yellow]{server['spec_warning']}[/]")
-    console.print(table)
+    print_rich_table(console, table)

@@ -23,6 +23,7 @@ from dynctl.cli.common import (
     seconds_option,
 )
 from dynctl.cli.progress import EventPrinter
+from dynctl.logview import log_record
 
 GraceOpt = seconds_option(60.0, "--grace", 0, lifecycle.MAX_GRACE_S,
                           "Seconds the server may drain after SIGTERM before SIGKILL.")
@@ -87,6 +88,9 @@ def restart(
     ready_timeout: float = ReadyTimeoutOpt,
     yes: bool = YesOpt,
     adopt: bool = AdoptOpt,
+    keep_live_threshold: bool = typer.Option(False, "--keep-live-threshold",
+                                             help="Start with the threshold the server runs now (set with `dynctl "
+                                                  "threshold`), not the release's."),
     as_json: bool = JsonOpt,
     verbose: bool = VerboseOpt,
 ) -> None:
@@ -95,7 +99,7 @@ def restart(
     session = open_host(host, config)
     ready = lifecycle.restart(session.agent, session.host, grace, ready_timeout,
                               EventPrinter(quiet=as_json, verbose=verbose), lambda question: confirm(question, yes),
-                              adopt=adopt_word(adopt, yes))
+                              adopt=adopt_word(adopt, yes), keep_live_threshold=keep_live_threshold)
     if as_json:
         _print_json(ready)
 
@@ -106,15 +110,26 @@ def logs(
     config: str = ConfigOpt,
     follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing new lines (Ctrl-C ends)."),
     lines: int = typer.Option(100, "--lines", "-n", min=0, help="How many of the last lines to show."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object per line: the raw line, its time, ranks, "
+                                                       "message, and the decode or speculation fields read from it."),
 ) -> None:
-    """The server log in the host's workdir."""
+    """The server log: the one dynctl's starts write in the workdir, or an adopted server's own log file."""
     session = open_host(host, config)
+    offset = lifecycle.log_utc_offset(session.agent) if as_json else None
+
+    def show(line: str) -> None:
+        if as_json:
+            console.file.write(json.dumps(sglang.redact(log_record(line, offset))) + "\n")
+            console.file.flush()
+        else:
+            console.out(line, highlight=False)
+
     if not follow:
         for line in lifecycle.read_log(session.agent, lines):
-            console.out(line, highlight=False)
+            show(line)
         return
     try:
         for line in lifecycle.follow_log(session.agent, lines):
-            console.out(line, highlight=False)
+            show(line)
     except KeyboardInterrupt:
         pass

@@ -8,11 +8,11 @@ from typing import Any
 
 import typer
 from rich.markup import escape
-from rich.table import Table
 
 from dynctl import operations, sglang
 from dynctl.cli.common import ConfigOpt, HostOpt, JsonOpt, VerboseOpt, console, handle_errors, open_host
 from dynctl.cli.progress import EventPrinter
+from dynctl.cli.tables import print_table
 from dynctl.errors import Interrupted
 
 app = typer.Typer(help="Operations on the host: follow one to its end, list recent ones.", no_args_is_help=True)
@@ -70,14 +70,9 @@ def list_ops(
     if not ops:
         console.print(f"no operations on {escape(session.host.name)} yet")
         return
-    table = Table(box=None)
-    table.add_column("operation", no_wrap=True, min_width=max(len(o["id"]) for o in ops))
-    for name in ("kind", "who", "received", "state"):
-        table.add_column(name, overflow="fold")
-    for o in ops:
-        table.add_row(o["id"], o.get("kind") or "", o.get("who") or "", str(o.get("received") or "")[:19],
-                      o.get("state") or "")
-    console.print(table)
+    rows = [(o["id"], o.get("kind") or "", o.get("who") or "", str(o.get("received") or "")[:19], o.get("state") or "")
+            for o in ops]
+    print_table(console, ("operation", "kind", "who", "received", "state"), rows, no_wrap=("operation",))
 
 
 @app.command("rollouts")

@@ -19,6 +19,7 @@ import time
 import traceback
 from typing import Any
 
+from dynctl import sglang
 from dynctl.sim import costmodel, processes, sgltree
 from dynctl.sim.batching import Batcher
 from dynctl.sim.endpoints import Api
@@ -27,7 +28,7 @@ from dynctl.sim.httpserver import bind_socket, request_once, serve
 from dynctl.sim.loglines import configure_logger, scheduler_logger, scheduler_prefix, uvicorn_loggers
 from dynctl.sim.metrics import ServerMetrics
 from dynctl.sim.options import OptionError, SimOptions, split_sim_options
-from dynctl.sim.serverargs import PROG, ServerArgsSpec, parse_server_args, read_server_args
+from dynctl.sim.serverargs import PROG, ServerArgsSpec, merge_config_file, parse_server_args, read_server_args
 from dynctl.sim.serverdefaults import ARCHITECTURE, ServerArgsError, finalize, plan_memory, spec_v2_enabled
 from dynctl.sim.speculation import (
     THRESHOLD_ARG, ArgsView, build_speculation, captured_batch_sizes, read_adaptive_defaults,
@@ -58,6 +59,14 @@ def main(argv: list[str]) -> int:
     except sgltree.TreeBroken as err:
         sys.stderr.write(err.report)
         return 1
+    if sglang_argv[:1] == ["serve"]:  # `sglang serve ...`: the console script hands the rest to the same parser
+        sglang_argv = sglang_argv[1:]
+    if spec.declares(sglang.CONFIG_FLAG) and sglang.CONFIG_FLAG in sglang_argv:
+        try:
+            sglang_argv = merge_config_file(spec, sglang_argv)
+        except (OSError, ValueError) as err:  # prepare_server_args raises; the server dies of it at start
+            sys.stderr.write(_runpy_traceback(ValueError(str(err))))
+            return 1
     args = parse_server_args(spec, sglang_argv)  # argparse: usage + exit 2 on a bad flag
     board = GpuBoard(options.gpu_dir)
     try:

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dynctl import sglang
+
 PROG = "launch_server.py"
 
 
@@ -90,6 +92,14 @@ def build_parser(spec: ServerArgsSpec) -> argparse.ArgumentParser:
             # The same flag under two branches of an `if` in add_cli_args: the first one stands.
             continue
     return parser
+
+
+def merge_config_file(spec: ServerArgsSpec, argv: list[str]) -> list[str]:
+    """argv with `--config FILE` merged in as prepare_server_args does (ConfigArgumentMerger: the file's flags
+    first, so the command line wins; store_true flags only when true)."""
+    store_true = {kwargs.get("dest") or names[-1].lstrip("-").replace("-", "_")
+                  for names, kwargs in spec.arguments if kwargs.get("action") == "store_true"}
+    return sglang.merge_config_args(argv, store_true)
 
 
 def parse_server_args(spec: ServerArgsSpec, argv: list[str]) -> dict[str, Any]:

@@ -24,6 +24,8 @@ from dynctl.events import EventSink
 from dynctl.feed import Feed, OnUpdate, describe_error
 from dynctl.snapshot import HostHistory, HostSnapshot
 from dynctl.tui.actions import ActionsFactory, HostActions
+from dynctl.tui.fulllog import FullLogScreen
+from dynctl.tui.help import HelpScreen
 from dynctl.tui.modals import ConfirmModal, ThresholdModal
 from dynctl.tui.progress import describe
 from dynctl.tui.widgets import (
@@ -80,6 +82,8 @@ class Dashboard(Screen):
         Binding("h,tab", "next_host", "Host"),
         Binding("shift+tab", "previous_host", "Previous host", show=False),
         Binding("l", "toggle_log", "Log/actions", show=False),
+        Binding("L", "full_log", "Full log", show=False),
+        Binding("question_mark", "help", "Help", show=False),
         Binding("q", "quit", "Quit"),
     ]
 
@@ -160,6 +164,15 @@ class Dashboard(Screen):
     def action_toggle_log(self) -> None:
         self.show_tail("actions" if self.query_one(ContentSwitcher).current == "log" else "log")
 
+    def action_help(self) -> None:
+        app = self.app
+        app.push_screen(HelpScreen(list(self.BINDINGS), self.read_only,
+                                   app.latest.get(app.current)))  # type: ignore[attr-defined]
+
+    def action_full_log(self) -> None:
+        app = self.app
+        app.push_screen(FullLogScreen(app.current, app.histories.get(app.current)))  # type: ignore[attr-defined]
+
     async def action_quit(self) -> None:
         await self.app.action_quit()
 
@@ -218,6 +231,8 @@ class DynctlApp(App[int]):
         if snap.host == self.current:
             self._show(snap, message.history)
             self.dashboard.query_one(LogTail).follow(message.history, snap.utc_offset)
+            if isinstance(self.screen, FullLogScreen) and self.screen.host == snap.host:
+                self.screen.follow(message.history)
 
     def _show(self, snap: HostSnapshot | None, history: HostHistory | None) -> None:
         d = self.dashboard

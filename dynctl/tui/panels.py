@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from rich.text import Text
 
 from dynctl.metrics import GpuStat, parse_decode_line, split_log_prefix
-from dynctl.snapshot import HostSnapshot
+from dynctl.snapshot import GpuHolder, HostSnapshot
 from dynctl.tui.chart import OFF_STYLE, ON_STYLE
 
 STATE_STYLE = {
@@ -196,6 +196,13 @@ def batch_bar(running: int | None, threshold: int | None, width: int) -> Text:
     return t
 
 
+def _stale_mark(t: Text, snap: HostSnapshot | None, name: str) -> None:
+    """" STALE 42s" after a number whose source is older than the live view may call live."""
+    reading = snap.readings.get(name) if snap else None
+    if reading is not None and reading.stale:
+        t.append(f" STALE {reading.age_s:.0f}s ", style="bold yellow")
+
+
 def render_load(snap: HostSnapshot | None, width: int) -> Text:
     """batch vs threshold bar; queue · KV · accept; gen tok/s · steps without speculation."""
     t = Text(no_wrap=True, overflow="ellipsis")
@@ -209,7 +216,11 @@ def render_load(snap: HostSnapshot | None, width: int) -> Text:
     t.append(f"{count(running):>4} ", style="bold")
     t.append_text(batch_bar(running, threshold, max(3, width - len(head) - len(tail))))
     t.append(" thr ", style=DIM)
-    t.append(thr + "\n", style="bold")
+    t.append(thr, style="bold")
+    if s and s.threshold is not None and s.release_threshold is not None and s.threshold != s.release_threshold:
+        t.append(f" (release {s.release_threshold})", style="bold yellow")
+    _stale_mark(t, s, "running_reqs")
+    t.append("\n")
     t.append("queue ", style=DIM)
     t.append(count(s.queue_reqs if s else None), style="bold")
     t.append(" · KV ", style=DIM)
@@ -223,6 +234,7 @@ def render_load(snap: HostSnapshot | None, width: int) -> Text:
     t.append("gen ", style=DIM)
     t.append(count(s.gen_throughput if s else None), style="bold")
     t.append(" tok/s", style=DIM)
+    _stale_mark(t, s, "gen_throughput")
     if s and s.disabled_steps is not None:
         t.append(" · steps without spec ", style=DIM)
         t.append(count(s.disabled_steps), style="bold")
@@ -265,8 +277,10 @@ def render_gpus_compact(gpus: Sequence[GpuStat], width: int) -> Text:
     return t
 
 
-def render_gpus(gpus: Sequence[GpuStat], error: str | None, width: int, height: int) -> Text:
-    """One line per GPU: index, utilisation bar and %, memory bar and used/total GiB."""
+def render_gpus(gpus: Sequence[GpuStat], error: str | None, width: int, height: int,
+                holders: Sequence[GpuHolder] = ()) -> Text:
+    """One line per GPU: index, utilisation bar and %, memory bar and used/total GiB; then, in the lines
+    left, the processes that hold GPU memory (GPU, pid, user, memory, command), as nvitop lists them."""
     t = Text(no_wrap=True, overflow="crop")
     if not gpus:
         t.append(error or "no GPU data", style=DIM)
@@ -285,6 +299,13 @@ def render_gpus(gpus: Sequence[GpuStat], error: str | None, width: int, height: 
         frac = g.mem_used_mib / g.mem_total_mib if g.mem_used_mib is not None and g.mem_total_mib else None
         t.append_text(_bar(frac, bar_w, "magenta"))
         t.append(f" {_gib(g.mem_used_mib)}/{_gib(g.mem_total_mib)} GiB\n")
+    room = height - len(gpus) - 1
+    if holders and room >= 1:
+        t.append(f"{'GPU':>3} {'PID':>7} {'USER':<10} {'MEM':>6}  COMMAND\n", style=DIM)
+        for h in holders[:room]:
+            gpu = "?" if h.gpu is None else str(h.gpu)
+            t.append(f"{gpu:>3} {h.pid:>7} {(h.user or '?')[:10]:<10} {_gib(h.used_mib):>5}G  ")
+            t.append(f"{h.command or '?'}\n", style=DIM)
     t.rstrip()
     return t
 

@@ -130,7 +130,8 @@ class GpuPanel(SnapshotPanel):
         s = self.snapshot
         if s is None:
             return Text("waiting for data", style=panels.DIM)
-        return panels.render_gpus(s.gpus, s.gpu_error, self.content_size.width, self.content_size.height)
+        return panels.render_gpus(s.gpus, s.gpu_error, self.content_size.width, self.content_size.height,
+                                  s.gpu_processes)
 
 
 class LogTail(RichLog):

@@ -13,11 +13,13 @@ sequence, so the host ends on the old or the new release whatever happens to the
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import time
 import traceback
 
-from dynctl_agent import lock, patch, procfs, releases, serverinfo, servers, shutdown, startup, store
+from dynctl import sglang
+from dynctl_agent import launchconfig, lock, patch, procfs, releases, serverinfo, servers, shutdown, startup, store
 from dynctl_agent.protocol import AgentError, seconds
 
 STATE_FILE = serverinfo.STATE_FILE
@@ -390,6 +392,37 @@ def deploy_context(ctx, files=(), **_):
     operator = None
     if not_ours is not None and not_ours["kind"] == "operator":
         operator = {k: not_ours[k] for k in ("pid", "start", "cmdline", "uid", "owner", "adoptable", "hint")}
+    adopted = releases.adopted(ctx)
     return {"holder": lock.live_holder(ctx), "patch": patch.patch_read(ctx, files=files),
             "info": serverinfo.server_info(ctx) if loc["server"] is not None else None,
-            "not_ours": not_ours and not_ours["text"], "operator": operator}
+            "not_ours": not_ours and not_ours["text"], "operator": operator,
+            "adopted": releases.adopted_summary(ctx),
+            "config_files": _config_files(ctx, loc.get("operator"), adopted)}
+
+
+def _config_files(ctx, operator, adopted):
+    """Each launch a deploy may build on whose argv names a `--config` YAML, with that file merged in as sglang
+    merges it ({"configured" | "operator" | "adopted": {"argv": [...]} or {"error": why}}), so the plan reads
+    the speculation settings the server will really run with."""
+    candidates = [("configured", ctx.args, os.path.expanduser("~"))]
+    if operator is not None:
+        candidates.append(("operator", operator["argv"], _cwd(operator["pid"])))
+    if adopted is not None:
+        candidates.append(("adopted", adopted["argv"], adopted.get("cwd")))
+    out = {}
+    for name, argv, cwd in candidates:
+        if sglang.CONFIG_FLAG not in (argv or []):
+            continue
+        try:
+            out[name] = {"argv": sglang.merge_config_args(argv, cwd=cwd)}
+        except (OSError, ValueError) as err:
+            out[name] = {"error": "%s: %s" % (launchconfig.flag_value(argv, sglang.CONFIG_FLAG),
+                                              getattr(err, "strerror", None) or err)}
+    return out
+
+
+def _cwd(pid):
+    try:
+        return procfs.cwd(pid)
+    except OSError:
+        return None

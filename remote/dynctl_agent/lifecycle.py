@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 from dynctl_agent import lock, releases, servers, shutdown, startup
 from dynctl_agent.protocol import AgentError, seconds
@@ -142,8 +143,13 @@ _RESTART_PARAMS = {"argv": None, "env": None, "release": None, "grace": 60, "rea
 
 def server_logs(ctx, lines=200, **extra):
     _no_extra("server_logs", extra)
-    path = ctx.path(servers.LOG)
-    return {"path": path, "exists": os.path.isfile(path), "lines": startup.log_tail(path, int(lines))}
+    path = servers.log_path(ctx)
+    offset = time.localtime().tm_gmtoff  # the zone the server stamps its lines in
+    if path is None:
+        return {"path": None, "exists": False, "lines": [], "utc_offset": offset,
+                "note": "the adopted server writes no log file dynctl can read (its output goes to a terminal)"}
+    return {"path": path, "exists": os.path.isfile(path), "lines": startup.log_tail(path, int(lines)),
+            "utc_offset": offset}
 
 
 def server_logs_follow(ctx, lines=20, max_seconds=None, **extra):

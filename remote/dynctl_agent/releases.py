@@ -32,6 +32,7 @@ import os
 import re
 import shutil
 
+from dynctl import sglang
 from dynctl_agent import servers, store
 from dynctl_agent.protocol import AgentError
 
@@ -210,7 +211,7 @@ def adopted_summary(ctx):
     if rec is None:
         return None
     return {"pid": rec.get("pid"), "argv": rec["argv"], "cwd": rec.get("cwd"), "env_keys": sorted(rec.get("env") or {}),
-            "adopted": rec.get("adopted"), "who": rec.get("who")}
+            "log": rec.get("log"), "python": rec.get("python"), "adopted": rec.get("adopted"), "who": rec.get("who")}
 
 
 def record_adopted(ctx, launch):
@@ -220,6 +221,15 @@ def record_adopted(ctx, launch):
     ctx.changed = True
     journal(ctx, "adopt", pid=launch["pid"], argv=launch["argv"], cwd=launch.get("cwd"),
             env_keys=sorted(launch.get("env") or {}))
+
+
+def adopted_launch_for(ctx, argv):
+    """The adopted server's environment and cwd for `argv` when argv is that launch plus dynctl's own flags (a
+    release deployed on top of it), so it starts exactly as the operator ran it; else None."""
+    rec = adopted(ctx)
+    if rec is None or not sglang.same_launch(argv, rec["argv"]):
+        return None
+    return {"env": dict(rec.get("env") or {}), "cwd": rec.get("cwd"), "adopted": rec.get("pid")}
 
 
 def baseline_launch(ctx, baseline_argv):

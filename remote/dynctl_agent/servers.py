@@ -12,7 +12,7 @@ import getpass
 import os
 
 from dynctl import sglang
-from dynctl_agent import httpclient, procfs, releases, store
+from dynctl_agent import httpclient, launchconfig, procfs, releases, store
 from dynctl_agent.protocol import AgentError
 
 PIDFILE = "server.json"
@@ -26,12 +26,7 @@ def has_marker(pid, marker):
 
 
 def argv_port(argv):
-    for i, arg in enumerate(argv):
-        if arg == "--port" and i + 1 < len(argv):
-            return argv[i + 1]
-        if arg.startswith("--port="):
-            return arg.split("=", 1)[1]
-    return None
+    return launchconfig.flag_value(argv, "--port")
 
 
 def argv_matches(cmd, argv):
@@ -62,26 +57,77 @@ def _runs_module(cmd, module):
     return False
 
 
-def _contains(cmd, part):
-    """part appears in cmd right at the start or behind an interpreter and one option."""
-    n = len(part)
-    return n > 0 and any(cmd[i:i + n] == list(part) for i in range(0, min(3, len(cmd) - n + 1)))
+def _launches(cmd, launch):
+    """cmd runs the configured `launch` (its words in order, the program by path or name), directly or behind
+    the interpreter of a shebang: `.../sglang serve` matches `python3 .../sglang serve`, never `vllm serve`."""
+    n = len(launch)
+    for at in (0, 1):
+        head = cmd[at:at + n]
+        if len(head) == n and head[1:] == list(launch[1:]) and _same_program(head[0], launch[0]):
+            return at == 0 or _is_interpreter(cmd[0])
+    return False
 
 
-def looks_like_server(ctx, cmd):
-    """cmd runs sglang's launcher, or the configured launch command, on ctx.port."""
+def _same_program(word, program):
+    return word == program or ("/" not in program and os.path.basename(word) == program) or (
+        "/" not in word and os.path.basename(program) == word)
+
+
+def _is_interpreter(word):
+    name = os.path.basename(word)
+    return name.startswith(("python", "pypy")) or name in ("sh", "bash", "dash", "env")
+
+
+def _console_script(ctx):
+    """The `sglang` console script of the configured interpreter's environment (its bin/ folder)."""
+    python = getattr(ctx, "python", None) or "python3"
+    if "/" not in python:
+        import shutil
+
+        python = shutil.which(python) or python
+    return os.path.join(os.path.dirname(python), "sglang") if "/" in python else None
+
+
+def runs_sglang_serve(ctx, cmd):
+    """cmd is `sglang serve ...` by the console script of the configured interpreter's environment."""
+    script = _console_script(ctx)
+    return script is not None and _launches(cmd, [script, "serve"])
+
+
+def looks_like_server(ctx, cmd, pid=None):
+    """cmd runs sglang's launcher (`python -m sglang.launch_server` or `sglang serve`), or the configured launch
+    command, on ctx.port (from its argv, else the `--config` YAML it names, else sglang's default)."""
     if not cmd:
         return False
     launch = list(ctx.launch or [])
-    runs = _runs_module(cmd, sglang.LAUNCH_MODULE)
+    runs = _runs_module(cmd, sglang.LAUNCH_MODULE) or runs_sglang_serve(ctx, cmd)
     if not runs and len(launch) >= 3 and launch[-2] == "-m":
         runs = _runs_module(cmd, launch[-1])
     elif not runs and launch:
-        runs = _contains(cmd, launch[1:] or launch)
+        runs = _launches(cmd, launch)
     if not runs:
         return False
-    port = argv_port(cmd)
-    return str(ctx.port) == port if port is not None else ctx.port == sglang.DEFAULT_PORT
+    return str(ctx.port) == str(launchconfig.server_port(cmd, _cwd(pid)))
+
+
+def _serve_hint(cmd):
+    """For an `sglang serve` of another environment than the configured interpreter's: how to name it."""
+    for at in (0, 1):
+        if len(cmd) > at + 1 and os.path.basename(cmd[at]) == "sglang" and cmd[at + 1] == "serve" and "/" in cmd[at]:
+            bindir = os.path.dirname(cmd[at])
+            return ("it runs `sglang serve` of %s: if it is your server, set python = \"%s/python3\" for this "
+                    "host (or launch = [\"%s/sglang\", \"serve\"]), so dynctl knows it as an sglang server"
+                    % (bindir, bindir, bindir))
+    return None
+
+
+def _cwd(pid):
+    if pid is None:
+        return None
+    try:
+        return procfs.cwd(pid)
+    except OSError:
+        return None
 
 
 def tree_of(table, pid, start, leads_session, marker):
@@ -195,12 +241,14 @@ def locate(ctx):
             server = dict(pid=pid, start=st["start"], sid=st["sid"], source="pidfile",
                           marker=rec.get("marker"), argv=procfs.cmdline(pid))
     leftovers = _leftovers(table, rec) if rec and rec.get("pid") and server is None else {}
+    if server is None:
+        server = adopted_in_place(ctx, table)
     live = {p: st for p, st in table.items() if st["state"] not in ("Z", "X") and p not in leftovers}
     listeners = procfs.listening_pids(ctx.port)
     operator, op_tree = None, {}
     if server is None:
         for pid in listeners:
-            if pid in live and looks_like_server(ctx, procfs.cmdline(pid)):
+            if pid in live and looks_like_server(ctx, procfs.cmdline(pid), pid):
                 operator = dict(pid=pid, start=live[pid]["start"], sid=live[pid]["sid"], source="operator",
                                 marker=None, argv=procfs.cmdline(pid), uid=(procfs.uids(pid) or (None,))[0])
                 op_tree = tree_of(table, pid, operator["start"], operator["sid"] == pid, None)
@@ -210,7 +258,7 @@ def locate(ctx):
         tree = tree_of(table, server["pid"], server["start"], server["sid"] == server["pid"], server["marker"])
         leftovers = {p: s for p, s in leftovers.items() if p not in tree}
     found = [p for p in live if p != os.getpid() and p not in tree and p not in op_tree
-             and looks_like_server(ctx, procfs.cmdline(p))]
+             and looks_like_server(ctx, procfs.cmdline(p), p)]
     found = [p for p in found if live[p]["ppid"] not in found]  # the launcher, not its children
     unmanaged = {p: live[p]["start"] for p in sorted(found, key=lambda p: live[p]["start"])}
     foreign = [p for p in listeners if p not in tree and p not in leftovers and p not in op_tree]
@@ -218,6 +266,43 @@ def locate(ctx):
         operator["tree"] = op_tree
     return {"server": server, "record": rec, "pidfile": note, "tree": tree, "leftovers": leftovers,
             "operator": operator, "foreign": foreign, "unmanaged": unmanaged}
+
+
+def adopted_in_place(ctx, table):
+    """The server `dynctl adopt` took over without a restart, while it is the very process recorded (pid, start
+    time, command line, our uid): ours from then on, so stop, restart and status need no second word for it."""
+    rec = releases.adopted(ctx)
+    if not rec or rec.get("pid") is None:
+        return None
+    pid = int(rec["pid"])
+    st = table.get(pid)
+    if st is None or st["state"] in ("Z", "X") or st["start"] != rec.get("pid_start"):
+        return None
+    if procfs.cmdline(pid) != rec["argv"] or not procfs.owned_by_us(pid):
+        return None
+    return dict(pid=pid, start=st["start"], sid=st["sid"], source="adopted", marker=None, argv=rec["argv"],
+                log=rec.get("log"))
+
+
+def own_log(pid):
+    """The regular file pid writes its stdout (else stderr) to: a hand-started server's own log, or None."""
+    for fd in (1, 2):
+        try:
+            path = os.readlink("/proc/%d/fd/%d" % (pid, fd))
+        except OSError:
+            continue
+        if path.startswith("/") and not path.endswith(" (deleted)") and os.path.isfile(path):
+            return path
+    return None
+
+
+def log_path(ctx, loc=None):
+    """The log of the server in question: an adopted server's own file (None: it writes none that dynctl can
+    read, a terminal say), else the one dynctl's starts write in workdir."""
+    server = (loc or locate(ctx))["server"]
+    if server is not None and server["source"] == "adopted":
+        return server.get("log")
+    return ctx.path(LOG)
 
 
 def _owner(pid):
@@ -291,7 +376,7 @@ def not_ours(ctx, loc, taking=None):
         return {"kind": "foreign", "pid": pid, "start": procfs.start_time(pid), "cmdline": cmd,
                 "text": "port %d is held by pid %d (%s), which dynctl does not manage"
                         % (ctx.port, pid, " ".join(sglang.redact_argv(cmd))[:200]),
-                "hint": "stop it yourself or change the port in the config"}
+                "hint": _serve_hint(cmd) or "stop it yourself or change the port in the config"}
     if loc["server"] is None and op is None and not loc["leftovers"] and procfs.port_in_use(ctx.port):
         return {"kind": "hidden", "pid": None, "start": None, "cmdline": [],
                 "text": "port %d is in use by a process %s cannot see" % (ctx.port, getpass.getuser()),
@@ -355,8 +440,18 @@ def adoption(ctx, op):
     if not procfs.same(pid, op["start"]) or not argv:
         raise AgentError("pid %d exited while dynctl read its launch to adopt it; nothing was changed" % pid,
                          "preflight")
-    return {"pid": pid, "pid_start": op["start"], "argv": argv, "env": env, "cwd": cwd,
-            "adopted": store.now_iso(), "who": ctx.who}
+    return {"pid": pid, "pid_start": op["start"], "argv": argv, "env": env, "cwd": cwd, "log": own_log(pid),
+            "python": _interpreter(pid, argv), "adopted": store.now_iso(), "who": ctx.who}
+
+
+def _interpreter(pid, argv):
+    """The interpreter as it was invoked (a venv's bin/python, not the binary it links to), else /proc's exe."""
+    if argv and argv[0].startswith("/") and os.path.basename(argv[0]).startswith(("python", "pypy")):
+        return argv[0]
+    try:
+        return os.readlink("/proc/%d/exe" % pid)
+    except OSError:
+        return None
 
 
 def probe_host(argv):
@@ -384,7 +479,7 @@ def find(ctx):
     blocker = not_ours(ctx, loc)
     out = {"state": "down", "pid": None, "source": None, "argv": None, "uptime_s": None, "started": None,
            "release": None, "health": None, "port": ctx.port, "pidfile": loc["pidfile"],
-           "log": ctx.path(LOG), "port_owner": None,
+           "log": log_path(ctx, loc), "port_owner": None,
            "leftovers": [describe(p) for p in sorted(loc["leftovers"])],
            "unmanaged": [describe(p, s) for p, s in loc["unmanaged"].items()],
            "not_ours": blocker, "in_force": releases.launch_in_force(ctx), "adopted": releases.adopted_summary(ctx)}

@@ -64,7 +64,7 @@ def summary(result):
     if result.get("pid") is None:
         return "no server was running; swept %d leftover process(es) of the previous server (pids %s)" % (
             len(swept), ", ".join(str(p["pid"]) for p in swept) or "none")
-    if result.get("source") == "operator":
+    if result.get("source") in ("operator", "adopted"):
         line = "stopped pid %s (not started by dynctl; taken over at the operator's word)" % result["pid"]
     else:
         line = "stopped pid %s (found by %s)" % (result["pid"], result.get("source"))

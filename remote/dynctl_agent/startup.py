@@ -12,7 +12,7 @@ import time
 import uuid
 
 from dynctl import sglang
-from dynctl_agent import hostinfo, httpclient, procfs, servers, store
+from dynctl_agent import hostinfo, httpclient, procfs, releases, servers, store
 from dynctl_agent.protocol import AgentError
 
 LOG_ROTATE = 256 << 20
@@ -54,6 +54,8 @@ def start_server(ctx, argv, env=None, release=None, launch=None):
         raise AgentError("processes of the previous server are still alive (pids %s); run `dynctl stop` first"
                          % ", ".join(map(str, sorted(loc["leftovers"]))), "preflight")
     ctx.ensure_workdir()
+    if launch is None:  # a release built on the adopted launch starts in its environment and cwd
+        launch = releases.adopted_launch_for(ctx, argv)
     log_path = ctx.path(servers.LOG)
     _rotate_log(log_path)
     marker = uuid.uuid4().hex
@@ -261,7 +263,7 @@ def wait_ready(ctx, ready_timeout=900.0, generate=True, poll=0.1):
 
 def follow_server_log(ctx, lines=20, max_seconds=None, poll=0.25):
     """Yield {"lines": [...]} as the log grows (handles rotation), with a heartbeat so a gone client ends us."""
-    path = ctx.path(servers.LOG)
+    path = servers.log_path(ctx) or os.devnull
     yield {"lines": log_tail(path, lines)}
     try:
         offset = os.path.getsize(path)

@@ -13,7 +13,7 @@ import threading
 import time
 
 from dynctl import sglang
-from dynctl_agent import httpclient, lock, nvidia, procfs, releases, serverinfo, servers
+from dynctl_agent import gpuprocs, httpclient, lock, nvidia, procfs, releases, serverinfo, servers
 from dynctl_agent.protocol import AgentError
 
 _METRICS_CAP = 4 << 20
@@ -109,6 +109,7 @@ class _ServerSampler:
                    "started": procfs.started_epoch(server["pid"]),
                    "stopping": rec.get("stopping") if from_pidfile and not rec.get("stopped") else None,
                    "release": rec.get("release") if from_pidfile else None}
+        out["log"] = servers.log_path(ctx, loc)  # an adopted server's own file (or none), else workdir's
         not_ours = servers.not_ours(ctx, loc)
         if not_ours is not None:
             out["not_ours"] = {k: not_ours[k] for k in ("kind", "pid", "cmdline", "text")}
@@ -233,7 +234,7 @@ def _sigterm(signum, frame):
     raise _Stop()
 
 
-def watch(ctx, interval=1.0, log_lines=50, gpus=True, max_items=None, info_every=5.0, **_):
+def watch(ctx, interval=1.0, log_lines=50, gpus=True, max_items=None, info_every=5.0, gpu_procs=False, **_):
     """Yield one sample of the server, its GPUs and its log every `interval` seconds, on the host itself."""
     interval = _number(interval, "interval", 0.05, 60.0)
     log_lines = _number(log_lines, "log_lines", 0, 5000, int)
@@ -241,6 +242,8 @@ def watch(ctx, interval=1.0, log_lines=50, gpus=True, max_items=None, info_every
     max_items = None if max_items is None else _number(max_items, "max_items", 1, 10 ** 9, int)
     proc, log = _ServerSampler(ctx), _LogSampler(ctx.path(servers.LOG), log_lines)
     gpu = nvidia.Sampler(ctx, interval) if gpus else None
+    # the live view's process list: a short nvidia-smi call every few seconds, only for a view that shows it
+    holders = gpuprocs.GpuProcesses(ctx) if gpus and gpu_procs else None
     previous = None
     if threading.current_thread() is threading.main_thread():  # a closed stream ends us by SIGTERM
         previous = signal.signal(signal.SIGTERM, _sigterm)
@@ -266,7 +269,18 @@ def watch(ctx, interval=1.0, log_lines=50, gpus=True, max_items=None, info_every
                 info_at = start
             last_pid, last_http = pid, item["metrics"]["ok"]
             item["gpus"] = gpu.sample(start) if gpu else None
-            item["log"] = log.sample(first=seq == 0)
+            procs = holders.sample(start) if holders else None
+            if procs is not None:
+                item["gpu_procs"] = procs
+            path = item["process"].pop("log", log.path)
+            if path != log.path:  # the server in question writes elsewhere (adopted), or no longer does
+                log.close()
+                log, moved = _LogSampler(path, log_lines), True
+            else:
+                moved = False
+            item["log"] = log.sample(first=seq == 0 or moved) if path is not None else {
+                "path": None, "lines": [], "marks": [], "decode": None, "dropped": 0, "skipped_bytes": 0,
+                "reset": moved, "note": "the adopted server writes no log file dynctl can read"}
             item["release"] = _release(ctx)
             item["lock"] = _lock(ctx)
             item["sample_ms"] = round((time.time() - start) * 1000, 1)
