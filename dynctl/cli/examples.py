@@ -26,6 +26,7 @@ EXAMPLES = {
     "patch revert": "dynctl patch revert --host glm5",
     "ops follow": "dynctl ops follow --host glm5",
     "ops list": "dynctl ops list --host glm5",
+    "ops rollouts": "dynctl ops rollouts -n 5",
 }
 
 
