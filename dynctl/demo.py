@@ -58,10 +58,12 @@ def _replace_items(table: Any, values: dict[str, Any]) -> None:
             table[key] = _toml_value(value)
 
 
-def register_demo_host(entry: dict[str, Any], config_path: str | None = None) -> Path:
-    """Add [hosts.demo] to the user's config (creating it if needed); an existing entry is replaced.
+def register_tables(tables: dict[str, dict[str, Any]], comment: str, config_path: str | None = None,
+                    default_host: str | None = None) -> Path:
+    """Put each table of `tables` ("hosts.demo" or "groups.NAME": its entry) into the user's config,
+    creating the file if needed (with `default_host` then); an existing table is replaced.
 
-    Edited as a TOML document (tomlkit), so the operator's comments, order and other hosts stay as they were.
+    Edited as a TOML document (tomlkit), so the operator's comments, order and other tables stay as they were.
     """
     path = find_config_path(config_path) if config_path or os.environ.get("DYNCTL_CONFIG") else None
     if path is None:
@@ -70,30 +72,41 @@ def register_demo_host(entry: dict[str, Any], config_path: str | None = None) ->
     if text:
         load_config(path)  # refuse to touch a config that does not parse (ConfigError names it)
     doc = tomlkit.parse(text) if text else tomlkit.document()
-    if not text:
-        doc.add("default_host", DEMO_HOST)
+    if not text and default_host:
+        doc.add("default_host", default_host)
         doc.add(tomlkit.nl())
-    hosts = doc.get("hosts")
-    if hosts is None:
-        hosts = tomlkit.table(is_super_table=True)
-        doc.add("hosts", hosts)
-    if DEMO_HOST in hosts:  # updated in place, the lines that lead into the next section kept there
-        with keep_trailing_lines(hosts[DEMO_HOST]):
-            _replace_items(hosts[DEMO_HOST], entry)
-    else:
-        section = tomlkit.table()
-        section.add(tomlkit.comment("a SIMULATED GPU host made by `dynctl demo` (no GPU, no model)"))
-        for key, value in entry.items():
-            section.add(key, _toml_value(value))
-        hosts.add(DEMO_HOST, section)
+    for dotted, entry in tables.items():
+        kind, _, name = dotted.partition(".")
+        parent = doc.get(kind)
+        if parent is None:
+            parent = tomlkit.table(is_super_table=True)
+            doc.add(kind, parent)
+        if name in parent:  # updated in place, the lines that lead into the next section kept there
+            with keep_trailing_lines(parent[name]):
+                _replace_items(parent[name], entry)
+        else:
+            section = tomlkit.table()
+            section.add(tomlkit.comment(comment))
+            for key, value in entry.items():
+                section.add(key, _toml_value(value))
+            parent.add(name, section)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(tomlkit.dumps(doc))
     os.replace(tmp, path)
     cfg = load_config(path)
-    if DEMO_HOST not in cfg.hosts:
-        raise ConfigError(f"{path}: writing [hosts.{DEMO_HOST}] failed")
+    for dotted in tables:
+        kind, _, name = dotted.partition(".")
+        if name not in getattr(cfg, kind):
+            raise ConfigError(f"{path}: writing [{dotted}] failed")
     return path
+
+
+def register_demo_host(entry: dict[str, Any], config_path: str | None = None) -> Path:
+    """Add [hosts.demo] to the user's config (creating it if needed); an existing entry is replaced."""
+    return register_tables({f"hosts.{DEMO_HOST}": entry},
+                           "a SIMULATED GPU host made by `dynctl demo` (no GPU, no model)",
+                           config_path, default_host=DEMO_HOST)
 
 
 @dataclass

@@ -8,7 +8,6 @@ the fleet's directory, checked against its command line) is ever reused or stopp
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -23,8 +22,8 @@ import psutil
 
 from dynctl import events
 from dynctl.agent import AgentClient
-from dynctl.config import Config, find_config_path, load_config, user_config_path
-from dynctl.demo import _toml, demo_root, free_port
+from dynctl.config import Config, load_config
+from dynctl.demo import demo_root, free_port, register_tables
 from dynctl.errors import ConfigError, OperationFailed
 from dynctl.fleet import fan_out, fleet_target
 from dynctl.lifecycle import find_server, restart_server, server_argv
@@ -44,32 +43,9 @@ def smg_binary() -> str | None:
 
 
 def register_sections(sections: dict[str, dict[str, Any]], config_path: str | None = None) -> Path:
-    """Put each `[NAME]` table of `sections` into the user's config, replacing one already there as text (the
-    rest of the file, comments included, stays as it was)."""
-    path = find_config_path(config_path) if config_path or os.environ.get("DYNCTL_CONFIG") else None
-    path = path or user_config_path()
-    text = path.read_text() if path.exists() else ""
-    if text:
-        load_config(path)  # refuse to touch a config that does not parse
-    for name, values in sections.items():
-        block = "\n".join([f"[{name}]", "# made by `dynctl demo --fleet` (SIMULATED hosts, no GPU)"]
-                          + [f"{k} = {_toml(v)}" for k, v in values.items()]) + "\n"
-        lines = text.splitlines(keepends=True)
-        start = next((i for i, ln in enumerate(lines) if ln.strip() == f"[{name}]"), None)
-        if start is None:
-            sep = "" if not text or text.endswith("\n\n") else ("\n" if text.endswith("\n") else "\n\n")
-            text = text + sep + block
-        else:
-            end = next((i for i in range(start + 1, len(lines)) if lines[i].lstrip().startswith("[")), len(lines))
-            text = "".join(lines[:start]) + block + ("\n" if end < len(lines) else "") + "".join(lines[end:])
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-    cfg = load_config(path)
-    if GROUP not in cfg.groups:
-        raise ConfigError(f"{path}: writing [groups.{GROUP}] failed")
-    return path
+    """Put each `[NAME]` table of `sections` ("hosts.demo-1", "groups.demo-fleet") into the user's config,
+    replacing one already there; the rest of the file, comments included, stays as it was."""
+    return register_tables(sections, "made by `dynctl demo --fleet` (SIMULATED hosts, no GPU)", config_path)
 
 
 @dataclass
