@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from dynctl import resources
-from dynctl.config import HostConfig, workdir_problem
+from dynctl.config import HostConfig
 from dynctl.errors import (
     ConfigError,
     DynctlError,
@@ -20,6 +20,7 @@ from dynctl.errors import (
     UnreachableError,
     UsageError,
 )
+from dynctl.hostspec import workdir_problem
 from dynctl.transport.base import Transport
 
 PROTOCOL = 1

@@ -161,7 +161,8 @@ def test_a_verb_imports_only_its_own_modules(tmp_path):
     proc = subprocess.run([sys.executable, "-c", probe, str(root), json.dumps(request)], capture_output=True,
                           text=True, timeout=60)
     assert json.loads(proc.stdout)["result"]["pong"] is True
-    assert json.loads(proc.stderr) == ["dynctl_agent", "dynctl_agent.protocol", "dynctl_agent.verbs"]
+    assert json.loads(proc.stderr) == ["dynctl", "dynctl.hostspec", "dynctl_agent", "dynctl_agent.protocol",
+                                       "dynctl_agent.verbs"]  # hostspec: the request's host settings checked
     for name, entry in {**verbs.VERBS, **verbs.OPS}.items():  # and every one names a function that is there
         assert callable(verbs.load(entry)), name
 

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import re
-
+from dynctl import hostspec
 from dynctl.config import STRATEGIES
 from dynctl.errors import PreflightError, UsageError
 from dynctl.sglang import parse_version
 
 SUPPORTED = ("patch for sglang 0.5.6–0.5.12 and 0.5.14, native adaptive config for sglang ≥ 0.5.14 "
              "(the default for releases without a patch variant)")
-MAX_THRESHOLD = 1_000_000
+MAX_THRESHOLD = hostspec.MAX_THRESHOLD
 
 # Releases whose eagle_worker_v2 needs its own small compat methods (see patches/README.md).
 _VARIANTS = {6: "0.5.6", 7: "0.5.7", 8: "0.5.8", 9: "0.5.8", 10: "0.5.8", 11: "0.5.8", 12: "0.5.12",
@@ -71,24 +70,7 @@ def variant_for(version: str) -> str:
 
 
 def parse_threshold(value: object, where: str = "threshold") -> int:
-    """A threshold from the command line or a config: an integer from -1 to 1,000,000."""
-    if isinstance(value, bool):
-        raise UsageError(f"{where}: expected an integer, got {value!r}")
-    if isinstance(value, int):
-        number = value
-    else:
-        text = str(value).strip()
-        if not re.fullmatch(r"[+-]?\d+", text):
-            raise UsageError(
-                f"{where}: {value!r} is not an integer (use a whole number of requests, "
-                f"e.g. 32, or -1 to never disable speculation)"
-            )
-        number = int(text)
-    if number < -1:
-        raise UsageError(f"{where}: {number} is below -1 (-1 means never disable speculation)")
-    if number > MAX_THRESHOLD:
-        raise UsageError(
-            f"{where}: {number} is larger than {MAX_THRESHOLD:,} running requests; "
-            f"use -1 to never disable speculation"
-        )
-    return number
+    """A threshold from the command line, a dialog or a config: an integer from -1 to 1,000,000."""
+    if problem := hostspec.threshold_problem(value):
+        raise UsageError(f"{where}: {problem}")
+    return int(str(value).strip())

@@ -196,8 +196,7 @@ def _stop(ctx, grace, taking):
 
 
 def op_deploy(ctx, oplog, files, sglang_version, strategy, threshold, launch_argv, baseline_argv,
-              artifacts=None, grace=60, ready_timeout=900, soak=DEFAULT_SOAK_S, effective_threshold=None, adopt=None,
-              **_):
+              artifacts=None, grace=60, ready_timeout=900, soak=DEFAULT_SOAK_S, effective_threshold=None, adopt=None):
     grace, ready_timeout, soak = seconds("grace", grace), seconds("ready_timeout", ready_timeout), seconds("soak", soak)
     loc = servers.locate(ctx)
     taking = servers.preflight(ctx, loc, "deploy", adopt)
@@ -314,8 +313,7 @@ def _roll_back_after_failure(ctx, oplog, release, previous_argv, old, grace, rea
     return "rolled back to %s, which is serving again" % current
 
 
-def op_rollback(ctx, oplog, baseline_argv, to=None, grace=60, ready_timeout=900, soak=DEFAULT_SOAK_S, adopt=None,
-                **_):
+def op_rollback(ctx, oplog, baseline_argv, to=None, grace=60, ready_timeout=900, soak=DEFAULT_SOAK_S, adopt=None):
     grace, ready_timeout, soak = seconds("grace", grace), seconds("ready_timeout", ready_timeout), seconds("soak", soak)
     releases.require_records(ctx)
     chosen = _rollback_target(ctx, to, releases.manifests(ctx))
@@ -382,7 +380,7 @@ def op_rollback(ctx, oplog, baseline_argv, to=None, grace=60, ready_timeout=900,
             "pid": ready.get("pid"), "soak_s": soaked.get("soak_s")}
 
 
-def deploy_context(ctx, files=(), **_):
+def deploy_context(ctx, files=()):
     """Everything a deploy plan needs in one round trip: lock holder, patch files, server info (of our
     server only), and what is in the way that is not ours (the deploy itself will refuse it)."""
     loc = servers.locate(ctx)

@@ -62,7 +62,7 @@ def nvidia_smi_path(ctx):
     return shutil.which("nvidia-smi", path=server_env(ctx).get("PATH"))
 
 
-def inspect_host(ctx, **_):
+def inspect_host(ctx):
     found = find_sglang(ctx)
     try:
         usage = shutil.disk_usage(ctx.workdir if os.path.isdir(ctx.workdir) else os.path.dirname(ctx.workdir) or "/")

@@ -5,24 +5,18 @@ from __future__ import annotations
 import os
 import signal
 
+from dynctl import hostspec
 from dynctl_agent import lock, releases, servers, shutdown, startup
 from dynctl_agent.protocol import AgentError, seconds
 
 
-def _no_extra(name, extra):
-    if extra:
-        raise AgentError("%s: unknown parameter(s) %s" % (name, ", ".join(sorted(extra))), "usage")
-
-
-def server_find(ctx, **extra):
-    _no_extra("server_find", extra)
+def server_find(ctx):
     return servers.find(ctx)
 
 
-def server_stop(ctx, grace=60, port_timeout=30, gpu_timeout=60, pid=None, pid_start=None, adopt=None, **extra):
+def server_stop(ctx, grace=60, port_timeout=30, gpu_timeout=60, pid=None, pid_start=None, adopt=None):
     """Stop our server; the operator's server only when named (`pid`) or taken over (`adopt`, which first
     records its launch as the baseline release)."""
-    _no_extra("server_stop", extra)
     waits = seconds("grace", grace), seconds("port_timeout", port_timeout), seconds("gpu_timeout", gpu_timeout)
     # A stop, once begun, runs to its end (SIGTERM, grace, SIGKILL, sweep): a dropped channel or a Ctrl-C that
     # reaches this process does not cut it between its signals, and a full disk does not prevent it.
@@ -39,28 +33,22 @@ def server_stop(ctx, grace=60, port_timeout=30, gpu_timeout=60, pid=None, pid_st
 
 
 def _resolve_launch(ctx, argv, release, baseline_argv, adopting=None):
-    """(argv, release, how, launch) of a start: the caller's argv, else the one recorded with the release in
-    force (what deploy started, so a start after a stop keeps the threshold), else the baseline: the
-    adopted server's launch (`adopting`: one being adopted now), else the configured one."""
+    """(argv, release, how, launch) of a start: the caller's argv, else hostspec.plain_start's choice (the
+    release in force, the adopted launch, being adopted now when `adopting`, the configured one)."""
     if argv is not None:
         return argv, release, "the given launch argv", None
     releases.require_records(ctx)  # an unreadable record must not turn into "start the configured argv"
     in_force = releases.launch_in_force(ctx)
-    if in_force is not None and in_force["argv"]:
-        return in_force["argv"], in_force["release"], "the launch argv of release %s" % in_force["release"], None
-    why = ("release %s records none" % in_force["release"]) if in_force else "no release in force"
-    adopted = adopting or releases.adopted(ctx)
+    chosen, how, adopted = hostspec.plain_start(in_force, adopting or releases.adopted(ctx), baseline_argv)
     if adopted is not None:
         launch = {"env": dict(adopted.get("env") or {}), "cwd": adopted.get("cwd"), "adopted": adopted.get("pid")}
-        how = "the adopted launch of pid %s, the baseline (%s)" % (adopted.get("pid"), why)
-        return list(adopted["argv"]), None, how, launch
-    if baseline_argv:
-        return list(baseline_argv), None, "the configured launch argv (%s)" % why, None
-    return None, release, None, None
+        return chosen, None, how, launch
+    if chosen is None:
+        return None, release, None, None
+    return chosen, in_force["release"] if in_force and in_force.get("argv") else None, how, None
 
 
-def server_start(ctx, argv=None, env=None, release=None, baseline_argv=None, **extra):
-    _no_extra("server_start", extra)
+def server_start(ctx, argv=None, env=None, release=None, baseline_argv=None):
     with lock.host_lock(ctx, "start"), lock.hangup_shield():
         argv, release, how, launch = _resolve_launch(ctx, argv, release, baseline_argv)
         if argv is None:
@@ -80,19 +68,17 @@ def _raise_failed(items):
         yield item
 
 
-def server_wait_ready(ctx, ready_timeout=900, generate=True, **extra):
-    _no_extra("server_wait_ready", extra)
+def server_wait_ready(ctx, ready_timeout=900, generate=True):
     return _raise_failed(startup.wait_ready(ctx, seconds("ready_timeout", ready_timeout), bool(generate)))
 
 
 def server_restart(ctx, argv=None, env=None, release=None, grace=60, ready_timeout=900, baseline_argv=None,
-                   adopt=None, **extra):
+                   adopt=None):
     """stop → start → wait_ready in one agent process, so a dropped connection cannot leave it between.
 
     adopt: the operator's word for taking over their server that runs on the port (servers.takeover): its
     launch becomes the baseline release, so with no release in force it is restarted as it was launched.
     """
-    _no_extra("server_restart", extra)
     return _restart(ctx, argv, env, release, grace, ready_timeout, baseline_argv, adopt)
 
 
@@ -136,27 +122,21 @@ def _restart(ctx, argv, env, release, grace, ready_timeout, baseline_argv, adopt
             yield item
 
 
-_RESTART_PARAMS = {"argv": None, "env": None, "release": None, "grace": 60, "ready_timeout": 900, "baseline_argv": None,
-                   "adopt": None}
-
-
-def server_logs(ctx, lines=200, **extra):
-    _no_extra("server_logs", extra)
+def server_logs(ctx, lines=200):
     path = ctx.path(servers.LOG)
     return {"path": path, "exists": os.path.isfile(path), "lines": startup.log_tail(path, int(lines))}
 
 
-def server_logs_follow(ctx, lines=20, max_seconds=None, **extra):
-    _no_extra("server_logs_follow", extra)
+def server_logs_follow(ctx, lines=20, max_seconds=None):
     return _raise_failed(startup.follow_server_log(ctx, int(lines), None if max_seconds is None else float(max_seconds)))
 
 
-def op_restart(ctx, oplog, **params):
+def op_restart(ctx, oplog, argv=None, env=None, release=None, grace=60, ready_timeout=900, baseline_argv=None,
+               adopt=None):
     """The restart verb's stop → start → ready, run by the worker: its items become the operation's events."""
-    _no_extra("restart", {k: v for k, v in params.items() if k not in _RESTART_PARAMS})
-    args = [params.get(k, d) for k, d in _RESTART_PARAMS.items()]
     # a restart has nothing to roll back to: once stopped, its start may use the room kept for undoing
-    for item in _restart(ctx, *args, stopped_hook=oplog.release_room):
+    for item in _restart(ctx, argv, env, release, grace, ready_timeout, baseline_argv, adopt,
+                         stopped_hook=oplog.release_room):
         kind = item.get("event")
         if kind == "ready":
             return {k: v for k, v in item.items() if k not in ("ok", "event")}

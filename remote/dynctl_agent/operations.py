@@ -22,13 +22,14 @@ _WORKER = ("import sys\nsys.path.insert(0, sys.argv[1])\n"
            "from dynctl_agent.operations import run_operation\nsys.exit(run_operation(sys.argv[2]))\n")
 
 
-def op_start(ctx, kind, params=None, op_id=None, **_):
+def op_start(ctx, kind, params=None, op_id=None):
     """Claim op_id, take the host lock, start the detached worker, hand the lock to it, return the op id.
 
     The same op_id twice starts one worker: the second call answers already=True.
     """
     if kind not in verbs.OPS:
         raise AgentError("unknown operation %r" % kind, "usage")
+    verbs.check_params(kind, verbs.load(verbs.OPS[kind]), params or {}, leading=2)
     for name, value in (params or {}).items():
         if name in LIMITS:
             seconds(name, value)  # an unbounded wait is refused before anything is claimed
@@ -111,14 +112,14 @@ def spawn_detached(argv, log_path, cwd):
     return pid
 
 
-def op_run(ctx, kind, params=None, op_id=None, from_line=0, **_):
+def op_run(ctx, kind, params=None, op_id=None, from_line=0):
     """op_start and op_follow in one round trip; sent again with the same op_id, it only follows."""
     started = op_start(ctx, kind, params, op_id)
     for item in op_follow(ctx, op_id=started["op_id"], from_line=from_line):
         yield item
 
 
-def op_current(ctx, **_):
+def op_current(ctx):
     """The live holder of the host lock (operation, who, pid, since), or None."""
     return {"holder": lock.live_holder(ctx)}
 
@@ -150,7 +151,7 @@ def _aftermath(ctx):
     return "release in force: %s; %s" % (current, server)
 
 
-def op_follow(ctx, op_id=None, from_line=0, **_):
+def op_follow(ctx, op_id=None, from_line=0):
     """Yield the events of an operation (id, "latest", or the running one when None) until its final event."""
     op_id = _resolve(ctx, op_id)
     path = oprecords.op_file(ctx, op_id, ".jsonl")
@@ -219,7 +220,7 @@ def op_follow(ctx, op_id=None, from_line=0, **_):
         time.sleep(0.1)
 
 
-def op_detach(ctx, op_id, kind=None, **_):
+def op_detach(ctx, op_id, kind=None):
     """The client stops following op_id (Ctrl-C): say what became of it. An id this host has not received yet
     is claimed as cancelled, so a request still on its way starts nothing."""
     oprecords.check_id(op_id)
@@ -238,7 +239,7 @@ def op_detach(ctx, op_id, kind=None, **_):
     return {"state": "running", "op_id": op_id, "holder": lock.live_holder(ctx)}
 
 
-def op_list(ctx, limit=20, **_):
+def op_list(ctx, limit=20):
     """The newest operations on this host: id, kind, who, when, and how each ended (or that it runs)."""
     running = (lock.live_holder(ctx) or {}).get("op")
     out = []

@@ -12,7 +12,7 @@ import stat
 from dynctl_agent import hostinfo, lock, releases, sgltree, store
 from dynctl_agent.protocol import AgentError
 
-def patch_read(ctx, files=(), **_):
+def patch_read(ctx, files=()):
     """The sglang found on the host, the text and sha256 of `files`, RECORD hashes, and the releases."""
     found = sgltree.installed(ctx)
     package_dir = found["sglang"]["package_dir"]
@@ -329,13 +329,13 @@ def revert_release(ctx, release=None):
 
 
 def patch_apply(ctx, files, sglang_version, strategy="patch", threshold=None, launch_argv=None, artifacts=None,
-                import_check_timeout=300.0, **_):
+                import_check_timeout=300.0):
     with lock.host_lock(ctx, "patch apply"), lock.hangup_shield():
         return apply_release(ctx, files, sglang_version, strategy, threshold, launch_argv, artifacts,
                              float(import_check_timeout))
 
 
-def patch_revert(ctx, release=None, all=False, **_):
+def patch_revert(ctx, release=None, all=False):
     """Revert the release in force (or `release`); all=True reverts every applied release, newest first."""
     with lock.host_lock(ctx, "patch revert"), lock.hangup_shield():
         releases.require_records(ctx)

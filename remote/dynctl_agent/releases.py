@@ -180,7 +180,7 @@ def in_force(ctx):
     return manifest
 
 
-def list_releases(ctx, **_):
+def list_releases(ctx):
     """Release manifests, newest first, and the id in force."""
     return {"current": current(ctx), "releases": manifests(ctx)}
 

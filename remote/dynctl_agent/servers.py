@@ -11,7 +11,7 @@ from __future__ import annotations
 import getpass
 import os
 
-from dynctl import sglang
+from dynctl import hostspec, sglang
 from dynctl_agent import httpclient, procfs, releases, store
 from dynctl_agent.protocol import AgentError
 
@@ -231,11 +231,8 @@ ADOPT_HINT = ("to take it over (its argv, environment and cwd become the baselin
 
 def would_run(ctx):
     """The argv a start would run with no argv given: the release in force's, else the configured one."""
-    in_force = releases.launch_in_force(ctx)
-    if in_force is not None and in_force["argv"]:
-        return list(in_force["argv"])
-    launch = list(ctx.launch or [ctx.python, "-m", sglang.LAUNCH_MODULE])
-    return launch + list(ctx.args) + ["--port", str(ctx.port), "--enable-metrics"]
+    configured = hostspec.configured_argv(ctx.launch or [ctx.python, "-m", sglang.LAUNCH_MODULE], ctx.args, ctx.port)
+    return hostspec.plain_start(releases.launch_in_force(ctx), None, configured)[0]
 
 
 def argv_diff(running, wanted):
