@@ -173,7 +173,7 @@ def load_ramp(agent: AgentClient, levels: tuple[int, ...] = RAMP, seconds: float
         raw: dict[str, Any] | None = None
         for item in agent.stream("bench_level", concurrency=concurrency, input_len=64, output_len=64,
                                  duration=seconds, warmup=0):
-            if item.get("event") == "level":
+            if item.get("type") == "level":
                 raw = item
         if raw is None:
             continue

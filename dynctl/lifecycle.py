@@ -357,7 +357,7 @@ def wait_ready(agent: AgentClient, ready_timeout: float = 900.0,
     t0 = time.monotonic()
     try:
         for item in agent.stream_through_drop("server_wait_ready", ready_timeout=ready_timeout):
-            if item.get("event") == "ready":
+            if item.get("type") == "ready":
                 on_event(events.StepDone("ready", time.monotonic() - t0, events.ready_detail(item)))
                 return item
             for event in events.from_ready_item(item):

@@ -49,21 +49,8 @@ def _gate(ctx, oplog, argv, release, ready_timeout, launch=None):
     with oplog.step("start", " ".join(argv)):
         started = startup.start_server(ctx, argv, release=release, launch=launch)
         oplog.emit("info", text="server pid %s" % started.get("pid"))
-    with oplog.step("health", "waiting for /health_generate and one /generate"):
-        for item in startup.wait_ready(ctx, ready_timeout=ready_timeout):
-            if item.get("event") == "log":
-                for line in item["lines"]:
-                    oplog.log(line)
-            elif item.get("event") == "waiting":
-                oplog.emit("waiting", seconds=item.get("elapsed"), detail=item.get("detail"))
-            elif item.get("event") == "warning":
-                oplog.emit("warning", text=item.get("text"))
-            elif item.get("event") == "failed":
-                raise AgentError(item.get("message") or "the server did not become ready", "failed",
-                                 reason=item.get("reason"), log_tail=item.get("log_tail") or [])
-            elif item.get("event") == "ready":
-                return item
-    raise AgentError("the readiness check ended without a verdict", "failed")
+    with oplog.step("ready", "waiting for /health_generate and one /generate"):
+        return startup.await_ready(ctx, oplog, ready_timeout)
 
 
 def _verify(ctx, oplog, strategy, threshold, effective=None):

@@ -1,4 +1,4 @@
-"""The server lifecycle verbs (find, stop, start, restart, wait until ready, logs) and the restart operation."""
+"""The server lifecycle verbs (find, stop, start, wait until ready, logs) and the restart operation."""
 
 from __future__ import annotations
 
@@ -61,8 +61,8 @@ def server_start(ctx, argv=None, env=None, release=None, baseline_argv=None):
 def _raise_failed(items):
     """Stream items as the client expects them (ok: true each); a failure ends the stream as an error."""
     for item in items:
-        if item.get("event") == "failed":
-            extra = {k: v for k, v in item.items() if k not in ("message", "event")}
+        if item.get("type") == "failed":
+            extra = {k: v for k, v in item.items() if k not in ("message", "type")}
             raise AgentError(item["message"], "failed", **extra)
         item.setdefault("ok", True)
         yield item
@@ -72,17 +72,15 @@ def server_wait_ready(ctx, ready_timeout=900, generate=True):
     return _raise_failed(startup.wait_ready(ctx, seconds("ready_timeout", ready_timeout), bool(generate)))
 
 
-def server_restart(ctx, argv=None, env=None, release=None, grace=60, ready_timeout=900, baseline_argv=None,
-                   adopt=None):
-    """stop → start → wait_ready in one agent process, so a dropped connection cannot leave it between.
+def op_restart(ctx, oplog, argv=None, env=None, release=None, grace=60, ready_timeout=900, baseline_argv=None,
+               adopt=None):
+    """The restart operation, run by the worker: stop → start → ready, each a step of its records; stop and
+    start under one lock and one hangup shield, so nothing cuts the restart between them. Returns the ready
+    server (its pid) for the final record.
 
     adopt: the operator's word for taking over their server that runs on the port (servers.takeover): its
     launch becomes the baseline release, so with no release in force it is restarted as it was launched.
     """
-    return _restart(ctx, argv, env, release, grace, ready_timeout, baseline_argv, adopt)
-
-
-def _restart(ctx, argv, env, release, grace, ready_timeout, baseline_argv, adopt=None, stopped_hook=None):
     grace, ready_timeout = seconds("grace", grace), seconds("ready_timeout", ready_timeout)
     with lock.host_lock(ctx, "restart"):
         with lock.hangup_shield():
@@ -98,28 +96,33 @@ def _restart(ctx, argv, env, release, grace, ready_timeout, baseline_argv, adopt
                                      "usage")
             if env is None and launch is None and rec.get("argv") == argv:
                 env = rec.get("env")
-            if adopting is not None:
-                releases.record_adopted(ctx, adopting)
-                stopped = shutdown.stop_server(ctx, grace, pid=taking["pid"], pid_start=taking["start"])
-            else:
-                stopped = shutdown.stop_server(ctx, grace)
-            if stopped_hook is not None:
-                stopped_hook()
-            try:
-                started = startup.start_server(ctx, argv, env, release, launch)
-            except Exception as err:  # a refusal, or a disk too full for the log: the server stays stopped
-                if isinstance(err, AgentError) and not ctx.changed:
-                    raise
-                why = err if isinstance(err, AgentError) else "%s: %s" % (type(err).__name__,
-                                                                         getattr(err, "strerror", None) or err)
-                raise AgentError("restart: %s, but the new server was not started: %s"
-                                 % (shutdown.summary(stopped), why), "failed",
-                                 **(err.extra if isinstance(err, AgentError) else {}))
-            started["launch"] = how
-        yield {"ok": True, "event": "stopped", "result": stopped}
-        yield {"ok": True, "event": "started", "result": started}
-        for item in _raise_failed(startup.wait_ready(ctx, ready_timeout)):
-            yield item
+            with oplog.step("stop", "SIGTERM, drain up to %gs, then SIGKILL" % grace) as done:
+                if adopting is not None:
+                    releases.record_adopted(ctx, adopting)
+                    stopped = shutdown.stop_server(ctx, grace, pid=taking["pid"], pid_start=taking["start"])
+                else:
+                    stopped = shutdown.stop_server(ctx, grace)
+                done["result"] = stopped
+            oplog.release_room()  # nothing to roll back to: once stopped, the start may use the room kept for undoing
+            with oplog.step("start", how) as done:
+                done["result"] = _start_after_stop(ctx, argv, env, release, launch, stopped)
+                done["result"]["launch"] = how
+    with oplog.step("ready", "/health_generate and one /generate, up to %gs" % ready_timeout) as done:
+        done["result"] = startup.await_ready(ctx, oplog, ready_timeout)
+    return done["result"]
+
+
+def _start_after_stop(ctx, argv, env, release, launch, stopped):
+    try:
+        return startup.start_server(ctx, argv, env, release, launch)
+    except Exception as err:  # a refusal, or a disk too full for the log: the server stays stopped
+        if isinstance(err, AgentError) and not ctx.changed:
+            raise
+        why = err if isinstance(err, AgentError) else "%s: %s" % (type(err).__name__,
+                                                                 getattr(err, "strerror", None) or err)
+        raise AgentError("restart: %s, but the new server was not started: %s"
+                         % (shutdown.summary(stopped), why), "failed",
+                         **(err.extra if isinstance(err, AgentError) else {}))
 
 
 def server_logs(ctx, lines=200):
@@ -129,24 +132,3 @@ def server_logs(ctx, lines=200):
 
 def server_logs_follow(ctx, lines=20, max_seconds=None):
     return _raise_failed(startup.follow_server_log(ctx, int(lines), None if max_seconds is None else float(max_seconds)))
-
-
-def op_restart(ctx, oplog, argv=None, env=None, release=None, grace=60, ready_timeout=900, baseline_argv=None,
-               adopt=None):
-    """The restart verb's stop → start → ready, run by the worker: its items become the operation's events."""
-    # a restart has nothing to roll back to: once stopped, its start may use the room kept for undoing
-    for item in _restart(ctx, argv, env, release, grace, ready_timeout, baseline_argv, adopt,
-                         stopped_hook=oplog.release_room):
-        kind = item.get("event")
-        if kind == "ready":
-            return {k: v for k, v in item.items() if k not in ("ok", "event")}
-        if kind == "log":
-            for line in item.get("lines") or []:
-                oplog.log(line)
-        elif kind == "warning":
-            oplog.emit("warning", text=item.get("text"))
-        elif kind == "waiting":
-            oplog.emit("waiting", seconds=item.get("elapsed"), detail=item.get("detail"))
-        else:  # "stopped", "started" (named apart from the worker's own "started")
-            oplog.emit("server_" + kind, **{k: v for k, v in item.items() if k not in ("ok", "event")})
-    raise AgentError("the restart ended without a verdict", "failed")

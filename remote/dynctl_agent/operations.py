@@ -29,7 +29,6 @@ def op_start(ctx, kind, params=None, op_id=None):
     """
     if kind not in verbs.OPS:
         raise AgentError("unknown operation %r" % kind, "usage")
-    verbs.check_params(kind, verbs.load(verbs.OPS[kind]), params or {}, leading=2)
     for name, value in (params or {}).items():
         if name in LIMITS:
             seconds(name, value)  # an unbounded wait is refused before anything is claimed
@@ -40,6 +39,7 @@ def op_start(ctx, kind, params=None, op_id=None):
     existing = store.read_json(path)
     if existing is not None:
         return oprecords.already(existing, kind, op_id)
+    verbs.check_params(kind, verbs.load(verbs.OPS[kind]), params or {}, leading=2)  # before anything is claimed
     request = {"id": op_id, "kind": kind, "params": params or {}, "client": ctx.client, "received": store.now_iso(),
                "host": {"name": ctx.name, "workdir": ctx.workdir, "python": ctx.python, "port": ctx.port,
                         "env": ctx.env, "launch": ctx.launch, "args": ctx.args, "keep_history": ctx.keep}}

@@ -166,11 +166,12 @@ TRACEBACK_EXIT_S = 2.0
 
 
 def wait_ready(ctx, ready_timeout=900.0, generate=True, poll=0.1):
-    """Yield progress until the server answers; the last item is {"event": "ready"} or {"event": "failed"}."""
+    """Yield progress until the server answers ({"type": "log" | "warning" | "waiting", ...}); the last item is
+    {"type": "ready", ...} or {"type": "failed", ...}."""
     rec = servers.read_pidfile(ctx)
     if not rec or not rec.get("pid") or rec.get("stopped"):
         why = "the last server was stopped at %s" % rec["stopped"] if rec and rec.get("stopped") else "no pidfile"
-        yield {"event": "failed", "reason": "not started", "message": "no server is starting in %s (%s)"
+        yield {"type": "failed", "reason": "not started", "message": "no server is starting in %s (%s)"
                % (ctx.workdir, why), "log_tail": []}
         return
     pid, start, log_path = int(rec["pid"]), rec.get("pid_start"), rec.get("log") or ctx.path(servers.LOG)
@@ -188,7 +189,7 @@ def wait_ready(ctx, ready_timeout=900.0, generate=True, poll=0.1):
     def failed(reason, message, **extra):
         tail = log_tail(log_path, 40, since=int(rec.get("log_offset") or 0))
         store.journal(ctx, "ready.failed", pid=pid, reason=reason, message=message)
-        item = {"event": "failed", "reason": reason, "message": message, "log_tail": tail, "pid": pid,
+        item = {"type": "failed", "reason": reason, "message": message, "log_tail": tail, "pid": pid,
                 "elapsed": round(time.monotonic() - t0, 3), "alive": procfs.same(pid, start)}
         item.update(extra)
         return item
@@ -211,7 +212,7 @@ def wait_ready(ctx, ready_timeout=900.0, generate=True, poll=0.1):
             traceback = any("Traceback (most recent call last)" in ln for ln in lines)
         if lines:
             last_yield = time.monotonic()
-            yield {"event": "log", "lines": lines}
+            yield {"type": "log", "lines": lines}
         status = procfs.reap(pid)
         if status is not None or not procfs.same(pid, start):
             code = "" if status is None else " with code %d" % status
@@ -228,7 +229,7 @@ def wait_ready(ctx, ready_timeout=900.0, generate=True, poll=0.1):
                 yield failed("traceback", "the server (pid %d) logged a Traceback and exited%s during start"
                              % (pid, code), exit_code=status)
                 return
-            yield {"event": "warning", "text": "the server log shows a Traceback during start, but the server "
+            yield {"type": "warning", "text": "the server log shows a Traceback during start, but the server "
                                                "(pid %d) is still running; waiting for it to be ready" % pid}
         if probe is not None and not probe.is_alive():
             result, probe = probe.result or {}, None
@@ -237,7 +238,7 @@ def wait_ready(ctx, ready_timeout=900.0, generate=True, poll=0.1):
                 store.journal(ctx, "ready.ok", pid=pid, elapsed=elapsed)
                 with contextlib.suppress(OSError):  # a record; the server serves whether or not it lands
                     servers.mark_pidfile(ctx, {"pid": pid}, ready_at=store.now_iso())
-                yield {"event": "ready", "pid": pid, "elapsed": elapsed, "generate": result.get("generate")}
+                yield {"type": "ready", "pid": pid, "elapsed": elapsed, "generate": result.get("generate")}
                 return
             # probe often while a start is young (a fast server's readiness is seen at once), then back off
             last_detail = result.get("detail") or "not ready"
@@ -252,8 +253,27 @@ def wait_ready(ctx, ready_timeout=900.0, generate=True, poll=0.1):
             return
         if time.monotonic() - last_yield >= 5.0:
             last_yield = time.monotonic()
-            yield {"event": "waiting", "elapsed": round(elapsed, 1), "detail": last_detail}
+            yield {"type": "waiting", "elapsed": round(elapsed, 1), "detail": last_detail}
         time.sleep(poll)
+
+
+def await_ready(ctx, oplog, ready_timeout):
+    """An operation's readiness wait: wait_ready's items become its records (one "log" record a line), the
+    ready item is returned, a failure raised with its reason, log tail and pid."""
+    for item in wait_ready(ctx, ready_timeout=ready_timeout):
+        kind = item.pop("type")
+        if kind == "log":
+            for line in item["lines"]:
+                oplog.log(line)
+        elif kind == "waiting":
+            oplog.emit("waiting", seconds=item.get("elapsed"), detail=item.get("detail"))
+        elif kind == "warning":
+            oplog.emit("warning", text=item.get("text"))
+        elif kind == "failed":
+            raise AgentError(item.pop("message", None) or "the server did not become ready", "failed", **item)
+        elif kind == "ready":
+            return item
+    raise AgentError("the readiness check ended without a verdict", "failed")
 
 
 # -- logs

@@ -31,7 +31,6 @@ VERBS = {
     "server_stop": ("lifecycle", "server_stop", False),
     "server_start": ("lifecycle", "server_start", False),
     "server_wait_ready": ("lifecycle", "server_wait_ready", True),
-    "server_restart": ("lifecycle", "server_restart", True),
     "server_logs": ("lifecycle", "server_logs", False),
     "server_logs_follow": ("lifecycle", "server_logs_follow", True),
     "patch_read": ("patch", "patch_read", False),
