@@ -32,7 +32,7 @@ import os
 import re
 import shutil
 
-from dynctl_agent import servers, store
+from dynctl_agent import store
 from dynctl_agent.protocol import AgentError
 
 BASELINE = "baseline"  # no release: the sglang tree as installed
@@ -124,7 +124,7 @@ def prune(ctx):
     always stay. Directories a killed apply left without a manifest never held a swap and go too."""
     folder = root(ctx)
     known = manifests(ctx)  # newest first
-    protected = {current(ctx), (servers.read_pidfile(ctx) or {}).get("release")}
+    protected = {current(ctx), (store.read_pidfile(ctx) or {}).get("release")}
     doomed = [m["id"] for m in known[ctx.keep:] if m.get("state") == "reverted" and m["id"] not in protected]
     with contextlib.suppress(OSError):
         listed = {m["id"] for m in known}
@@ -214,7 +214,7 @@ def adopted_summary(ctx):
 
 
 def record_adopted(ctx, launch):
-    """Make `launch` (servers.adoption) the baseline release: written 0600, journalled without env values."""
+    """Make `launch` (an adoption record) the baseline release: written 0600, journalled without env values."""
     ctx.ensure_workdir()
     store.write_json_atomic(ctx.path(ADOPTED), launch)
     ctx.changed = True

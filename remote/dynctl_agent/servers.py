@@ -15,7 +15,7 @@ from dynctl import hostspec, sglang
 from dynctl_agent import httpclient, procfs, releases, store
 from dynctl_agent.protocol import AgentError
 
-PIDFILE = "server.json"
+PIDFILE = store.PIDFILE
 LOG = "server.log"
 MARKER_ENV = "DYNCTL_SERVER_ID"
 
@@ -104,8 +104,7 @@ def tree_of(table, pid, start, leads_session, marker):
     return tree
 
 
-def read_pidfile(ctx):
-    return store.read_json(ctx.path(PIDFILE)) if os.path.isdir(ctx.workdir) else None
+read_pidfile = store.read_pidfile
 
 
 def api_keys(ctx):
