@@ -17,11 +17,10 @@ from typing import Any
 
 from dynctl import deploy as core
 from dynctl import events
-from dynctl.agent import AgentClient
+from dynctl.agent import AgentClient, open_agent
 from dynctl.config import Config, HostConfig, find_config_path, load_config, user_config_path
 from dynctl.errors import ConfigError
 from dynctl.lifecycle import find_server, restart_server, server_argv
-from dynctl.transport import connect
 
 DEMO_HOST = "demo"
 RAMP = (1, 2, 4, 8, 16, 32, 64, 32, 16, 8, 4, 2, 1)
@@ -100,14 +99,14 @@ def prepare(config_path: str | None = None, root: Path | None = None, port: int 
     path = register_demo_host(entry, config_path)
     cfg = load_config(path)
     host = cfg.host(DEMO_HOST)
-    agent = AgentClient(connect(host, cfg), host)
+    agent = open_agent(host, cfg)
     taken = port_taken(agent, port)
     if taken is not None:
         entry["port"] = free_port()
         path = register_demo_host(entry, config_path)
         cfg = load_config(path)
         host = cfg.host(DEMO_HOST)
-        agent = AgentClient(connect(host, cfg), host)
+        agent = open_agent(host, cfg)
         on_event(events.Warning(f"port {port} is taken by {taken}, which the demo did not start: the demo leaves "
                                 f"it alone and uses port {entry['port']} instead"))
     on_event(events.StepDone("prepare", 0.0, f"registered as host '{DEMO_HOST}' (port {entry['port']}) in {path}"))

@@ -9,10 +9,9 @@ from typing import Any
 
 from dynctl import deploy as core
 from dynctl import lifecycle
-from dynctl.agent import AgentClient
+from dynctl.agent import AgentClient, open_agent
 from dynctl.config import Config, HostConfig
 from dynctl.events import EventSink
-from dynctl.transport import connect
 
 
 class CoreActions:
@@ -25,7 +24,7 @@ class CoreActions:
         self.ready_timeout = ready_timeout
 
     def _agent(self) -> AgentClient:
-        return AgentClient(connect(self.host, self.config), self.host)
+        return open_agent(self.host, self.config)
 
     def deploy(self, threshold: int, on_event: EventSink) -> Any:
         return core.deploy_threshold(self._agent(), self.host, threshold, on_event, grace=self.grace,

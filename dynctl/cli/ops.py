@@ -59,7 +59,7 @@ def list_ops(
 ) -> None:
     """The newest operations on the host: id, kind, who, when, and how each ended."""
     session = open_host(host, config)
-    ops = session.agent.call("op_list", limit=limit)["ops"]
+    ops = operations.recent(session.agent, limit)
     if as_json:
         console.print_json(json.dumps(sglang.redact(ops), default=str))
         return
