@@ -40,7 +40,7 @@ from dynctl.tui.widgets import (
 
 FeedFactory = Callable[[OnUpdate], Feed]
 # Actions that change a host: hidden in read-only mode.
-CHANGING = {"deploy", "rollback", "threshold", "stop", "start", "restart", "bench"}
+CHANGING = {"deploy", "rollback", "threshold", "stop_server", "start_server", "restart_server", "bench"}
 
 
 class HostUpdated(Message):
@@ -70,15 +70,16 @@ class ActionFinished(Message):
 
 class Dashboard(Screen):
     BINDINGS = [
-        Binding("d", "deploy", "Deploy"),
-        Binding("r", "rollback", "Rollback"),
-        Binding("t", "threshold", "Threshold"),
-        Binding("s", "stop", "Stop"),
-        Binding("S", "start", "Start"),
-        Binding("R", "restart", "Restart"),
-        Binding("b", "bench", "Bench"),
-        Binding("h,tab", "next_host", "Host"),
-        Binding("shift+tab", "previous_host", "Previous host", show=False),
+        # the actions are the app's (they span hosts and screens); DynctlApp.check_action enables them
+        Binding("d", "app.deploy", "Deploy"),
+        Binding("r", "app.rollback", "Rollback"),
+        Binding("t", "app.threshold", "Threshold"),
+        Binding("s", "app.stop_server", "Stop"),
+        Binding("S", "app.start_server", "Start"),
+        Binding("R", "app.restart_server", "Restart"),
+        Binding("b", "app.bench", "Bench"),
+        Binding("h,tab", "app.switch_host(1)", "Host"),
+        Binding("shift+tab", "app.switch_host(-1)", "Previous host", show=False),
         Binding("l", "toggle_log", "Log/actions", show=False),
         Binding("q", "quit", "Quit"),
     ]
@@ -117,40 +118,6 @@ class Dashboard(Screen):
     def on_resize(self) -> None:
         self.set_class(self.size.height >= 40, "-tall")
         self.set_class(self.size.width >= 140, "-wide")
-
-    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        if action in CHANGING and self.read_only:
-            return False
-        if action in ("next_host", "previous_host") and len(self.hosts) < 2:
-            return False
-        return True
-
-    def action_deploy(self) -> None:
-        self.app.action_deploy()  # type: ignore[attr-defined]
-
-    def action_rollback(self) -> None:
-        self.app.action_rollback()  # type: ignore[attr-defined]
-
-    def action_threshold(self) -> None:
-        self.app.action_threshold()  # type: ignore[attr-defined]
-
-    def action_stop(self) -> None:
-        self.app.action_stop_server()  # type: ignore[attr-defined]
-
-    def action_start(self) -> None:
-        self.app.action_start_server()  # type: ignore[attr-defined]
-
-    def action_restart(self) -> None:
-        self.app.action_restart_server()  # type: ignore[attr-defined]
-
-    def action_bench(self) -> None:
-        self.app.action_bench()  # type: ignore[attr-defined]
-
-    def action_next_host(self) -> None:
-        self.app.action_switch_host(1)  # type: ignore[attr-defined]
-
-    def action_previous_host(self) -> None:
-        self.app.action_switch_host(-1)  # type: ignore[attr-defined]
 
     def show_tail(self, which: str) -> None:
         """"log" or "actions" in the bottom right; on a narrow screen the actions take the GPUs' place too."""
@@ -233,6 +200,13 @@ class DynctlApp(App[int]):
         for banner in self.dashboard.query(Banner):
             if banner.display:
                 banner.refresh()
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action in CHANGING and self.read_only:
+            return False
+        if action == "switch_host" and len(self.hosts) < 2:
+            return False
+        return True
 
     def action_switch_host(self, step: int) -> None:
         i = self.hosts.index(self.current)
