@@ -6,7 +6,6 @@ See oprecords for what an operation leaves in workdir/ops.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import sys
