@@ -133,7 +133,7 @@ def agent_module():
 
 def test_old_agent_copies_are_pruned(tmp_path):
     """The newest few copies stay (a worker of an older client may still start from one); older ones that
-    have not been touched for an hour go, and so do the one-file agents of earlier dynctl versions."""
+    have not been touched for an hour go."""
     work = tmp_path / "work"
     folder = work / "agent"
     old = [f"{i:016x}" for i in range(1, 6)]
@@ -141,8 +141,6 @@ def test_old_agent_copies_are_pruned(tmp_path):
         (folder / name / "dynctl_agent").mkdir(parents=True)
         os.utime(folder / name, (1_000_000 + i, 1_000_000 + i))
     (folder / "00000000000000ff").mkdir()  # another client's, uploaded a moment ago
-    (work / "agent-0123456789abcdef.py").write_text("old one-file agent")
-    (work / "agent-0123456789abcdef.pyc").write_bytes(b"old")
     (work / "journal.jsonl").write_text("")
     assert make_agent(tmp_path).call("ping")["pong"] is True
     kept = sorted(p.name for p in folder.iterdir())

@@ -14,11 +14,9 @@ import time
 from dynctl_agent import lock, oprecords, procfs, releases, servers, store, verbs
 from dynctl_agent.protocol import LIMITS, AgentError, Context, outcome, seconds
 
-# The worker runs this package from where this agent runs it (the unpacked archive, not a file of its own),
-# with the interpreter that runs this agent.
+# The worker (worker.py) runs this package from where this agent runs it, with the interpreter that runs it.
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_WORKER = ("import sys\nsys.path.insert(0, sys.argv[1])\n"
-           "from dynctl_agent.operations import run_operation\nsys.exit(run_operation(sys.argv[2]))\n")
+_WORKER = os.path.join(_ROOT, "dynctl_agent", "worker.py")
 
 
 def op_start(ctx, kind, params=None, op_id=None):
@@ -61,7 +59,7 @@ def op_start(ctx, kind, params=None, op_id=None):
                                                        dead.get("started")))
                     store.write_json_atomic(path, request)
                 oprecords.prune(ctx, keep_id=op_id)
-                worker = spawn_detached([sys.executable, "-c", _WORKER, _ROOT, path],
+                worker = spawn_detached([sys.executable, _WORKER, _ROOT, path],
                                         oprecords.op_file(ctx, op_id, ".log"), ctx.workdir)
                 holder.update({"pid": worker, "pid_start": procfs.wait_start_time(worker), "op": op_id})
                 # From here the worker speaks for the operation; it adopts the lock itself if this write is lost.
@@ -274,7 +272,7 @@ def _adopt_lock(ctx, request):
 
 
 def run_operation(request_path):
-    """Entry point of the detached worker (`python -m dynctl_agent --op REQUEST`)."""
+    """Entry point of the detached worker (worker.py)."""
     request = store.read_json(request_path)
     ctx = Context(request["host"], request.get("client"))
     oplog = oprecords.OpLog(ctx, request["id"], request["kind"])
