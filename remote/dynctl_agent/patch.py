@@ -154,7 +154,7 @@ class _Apply:
         if not self.entries:
             return
         ctx = self.ctx
-        rc, out, err = hostinfo.run_python(ctx, sgltree.COMPILE,
+        rc, out, err = hostinfo.run_python(ctx, hostinfo.program("compile_candidates"),
                                            json.dumps([[e["candidate"], e["target"]] for e in self.entries]),
                                            timeout=120)
         if rc != 0:
