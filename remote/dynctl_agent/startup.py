@@ -195,40 +195,17 @@ def wait_ready(ctx, ready_timeout=900.0, generate=True, poll=0.1):
         return item
 
     while True:
-        lines, traceback = [], False
-        try:
-            with open(log_path, "rb") as f:
-                f.seek(offset)
-                chunk = f.read(1 << 20)
-        except OSError:
-            chunk = b""
-        if chunk:
-            offset += len(chunk)
-            data = partial + chunk
-            parts = data.split(b"\n")
-            partial = parts.pop()
-            lines = [p.decode("utf-8", "replace") for p in parts]
-            # sglang logs it behind a prefix: "[... TP0] Scheduler hit an exception: Traceback (most ..."
-            traceback = any("Traceback (most recent call last)" in ln for ln in lines)
+        offset, partial, lines = _new_lines(log_path, offset, partial)
         if lines:
             last_yield = time.monotonic()
             yield {"type": "log", "lines": lines}
-        status = procfs.reap(pid)
-        if status is not None or not procfs.same(pid, start):
-            code = "" if status is None else " with code %d" % status
-            yield failed("crash", "the server (pid %d) exited%s during start" % (pid, code), exit_code=status)
+        # sglang logs it behind a prefix: "[... TP0] Scheduler hit an exception: Traceback (most ..."
+        traceback = any("Traceback (most recent call last)" in ln for ln in lines)
+        ended = _start_ended(pid, start, traceback)
+        if ended is not None:
+            yield failed(ended[0], ended[1], exit_code=ended[2])
             return
         if traceback:
-            # A crash logs its traceback and exits (sglang's children take the whole tree down), so
-            # a Traceback counts as a failed start only when the process is gone within the crash
-            # window; sglang also logs tracebacks for optional features it skips (a missing
-            # openai_harmony, say) and then serves normally.
-            if procfs.wait_until(lambda: not procfs.same(pid, start), TRACEBACK_EXIT_S, 0.05):
-                status = procfs.reap(pid)
-                code = "" if status is None else " with code %d" % status
-                yield failed("traceback", "the server (pid %d) logged a Traceback and exited%s during start"
-                             % (pid, code), exit_code=status)
-                return
             yield {"type": "warning", "text": "the server log shows a Traceback during start, but the server "
                                                "(pid %d) is still running; waiting for it to be ready" % pid}
         if probe is not None and not probe.is_alive():
@@ -255,6 +232,38 @@ def wait_ready(ctx, ready_timeout=900.0, generate=True, poll=0.1):
             last_yield = time.monotonic()
             yield {"type": "waiting", "elapsed": round(elapsed, 1), "detail": last_detail}
         time.sleep(poll)
+
+
+def _new_lines(log_path, offset, partial):
+    """(offset, partial, lines): the whole lines logged since `offset`, the unfinished one kept for later."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(offset)
+            chunk = f.read(1 << 20)
+    except OSError:
+        chunk = b""
+    if not chunk:
+        return offset, partial, []
+    parts = (partial + chunk).split(b"\n")
+    partial = parts.pop()
+    return offset + len(chunk), partial, [p.decode("utf-8", "replace") for p in parts]
+
+
+def _start_ended(pid, start, traceback):
+    """(reason, message, exit status) once the starting server is gone, or None while it runs.
+
+    A crash logs its traceback and exits (sglang's children take the whole tree down), so a Traceback counts
+    as a failed start only when the process is gone within the crash window; sglang also logs tracebacks for
+    optional features it skips (a missing openai_harmony, say) and then serves normally."""
+    status = procfs.reap(pid)
+    if status is not None or not procfs.same(pid, start):
+        code = "" if status is None else " with code %d" % status
+        return "crash", "the server (pid %d) exited%s during start" % (pid, code), status
+    if traceback and procfs.wait_until(lambda: not procfs.same(pid, start), TRACEBACK_EXIT_S, 0.05):
+        status = procfs.reap(pid)
+        code = "" if status is None else " with code %d" % status
+        return "traceback", "the server (pid %d) logged a Traceback and exited%s during start" % (pid, code), status
+    return None
 
 
 def await_ready(ctx, oplog, ready_timeout):
