@@ -205,7 +205,7 @@ def op_deploy(ctx, oplog, files, sglang_version, strategy, threshold, launch_arg
         if taking is not None:  # what ran before is the operator's launch: a failed deploy restarts exactly that
             adopted = _take_over(ctx, oplog, taking)
             previous_argv = adopted["argv"]
-            previous_launch = {"env": adopted["env"], "cwd": adopted["cwd"], "adopted": adopted["pid"]}
+            previous_launch = releases.adopted_launch(adopted)
         with oplog.step("stop", "SIGTERM, drain up to %ss, then SIGKILL" % grace):
             stopped = _stop(ctx, grace, taking)
             oplog.emit("info", text=shutdown.summary(stopped))
@@ -339,7 +339,7 @@ def op_rollback(ctx, oplog, baseline_argv, to=None, grace=60, ready_timeout=900,
             done.append("adopted pid %d as the baseline" % taking["pid"])
             if not (manifest or {}).get("launch_argv"):
                 argv = adopted["argv"]
-                launch = {"env": adopted["env"], "cwd": adopted["cwd"], "adopted": adopted["pid"]}
+                launch = releases.adopted_launch(adopted)
         with oplog.step("stop", "SIGTERM, drain up to %ss, then SIGKILL" % grace):
             stopped = _stop(ctx, grace, taking)
             oplog.emit("info", text=shutdown.summary(stopped))

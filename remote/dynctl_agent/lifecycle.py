@@ -41,8 +41,7 @@ def _resolve_launch(ctx, argv, release, baseline_argv, adopting=None):
     in_force = releases.launch_in_force(ctx)
     chosen, how, adopted = hostspec.plain_start(in_force, adopting or releases.adopted(ctx), baseline_argv)
     if adopted is not None:
-        launch = {"env": dict(adopted.get("env") or {}), "cwd": adopted.get("cwd"), "adopted": adopted.get("pid")}
-        return chosen, None, how, launch
+        return chosen, None, how, releases.adopted_launch(adopted)
     if chosen is None:
         return None, release, None, None
     return chosen, in_force["release"] if in_force and in_force.get("argv") else None, how, None

@@ -32,6 +32,7 @@ import os
 import re
 import shutil
 
+from dynctl import hostspec
 from dynctl_agent import store
 from dynctl_agent.protocol import AgentError
 
@@ -224,8 +225,14 @@ def record_adopted(ctx, launch):
 
 def baseline_launch(ctx, baseline_argv):
     """(argv, launch) of the baseline: the adopted server's argv with its environment and cwd, else the
-    configured argv (launch None: the configured environment, the home directory)."""
-    rec = adopted(ctx)
-    if rec is not None:
-        return list(rec["argv"]), {"env": dict(rec.get("env") or {}), "cwd": rec.get("cwd"), "adopted": rec.get("pid")}
-    return (list(baseline_argv) if baseline_argv else None), None
+    configured argv (launch None: the configured environment, the home directory); hostspec.plain_start's
+    rule without a release in force."""
+    argv, _, chosen = hostspec.plain_start(None, adopted(ctx), baseline_argv)
+    return argv, adopted_launch(chosen)
+
+
+def adopted_launch(rec):
+    """The environment, cwd and pid an adopted server's launch runs with (startup.start_server), or None."""
+    if rec is None:
+        return None
+    return {"env": dict(rec.get("env") or {}), "cwd": rec.get("cwd"), "adopted": rec.get("pid")}
