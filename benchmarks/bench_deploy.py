@@ -80,7 +80,7 @@ def main() -> None:
                 else:
                     core.rollback(s.agent, s.host, on_event=clock)
                 total = time.perf_counter() - t0
-                start_ready = clock.steps.get("start", 0) + clock.steps.get("health", 0)
+                start_ready = clock.steps.get("start", 0) + clock.steps.get("ready", 0)
                 stop = clock.steps.get("stop", 0)
                 rows.append({"op": op, "total_s": total, "stop_s": stop, "start_ready_s": start_ready,
                              "overhead_s": total - start_ready, "overhead_all_s": total - start_ready - stop,

@@ -2,7 +2,7 @@
 
   direct   in this process, straight to the server's port (the ground truth: no SSH in the path)
   agent    on the host, as the agent's `bench_level` verb over a real SSH connection (what dynctl does)
-  forward  in this process, through `SSH.forward_local` (one direct-tcpip channel per stream)
+  forward  in this process, through `tests/ssh_tunnel.forward_local` (one direct-tcpip channel per stream)
 
 The server is a separate process: the simulated SGLang host (`--server sim`, needs an sglang tree, see
 --sim-tree) or the tests' TokenServer (`--server token`, fixed per-token interval). The SSH server is a
@@ -36,6 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
+from ssh_tunnel import forward_local  # noqa: E402
 from sshd_harness import start_fake_host  # noqa: E402
 
 from dynctl.agent import AgentClient  # noqa: E402
@@ -146,7 +147,7 @@ def main() -> int:
                     raw, gen_cpu, wall = run_inprocess(agent_mod, port, kw)
                     client_cpu = gen_cpu
                 elif variant == "forward":
-                    with ssh.forward_local("127.0.0.1", port) as (_, fport):
+                    with forward_local(ssh, "127.0.0.1", port) as (_, fport):
                         raw, gen_cpu, wall = run_inprocess(agent_mod, fport, kw)
                     client_cpu = gen_cpu  # generator + forwarder threads + paramiko, one process
                 else:

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from dynctl import resources
-from dynctl.config import HostConfig, workdir_problem
+from dynctl.config import Config, HostConfig
 from dynctl.errors import (
     ConfigError,
     DynctlError,
@@ -20,6 +20,8 @@ from dynctl.errors import (
     UnreachableError,
     UsageError,
 )
+from dynctl.hostspec import workdir_problem
+from dynctl.transport import close_all, connect
 from dynctl.transport.base import Transport
 
 PROTOCOL = 1
@@ -31,6 +33,9 @@ _DAMAGED_RC = 96  # the copy is there but damaged (a file changed or gone, a mod
 # or the copy and that the copy is intact (exit _MISSING_RC: not there, _DAMAGED_RC: damaged); the upload
 # program installs that copy. The boot program gets its refusal texts (words.py) as an argument of their own.
 _CONSTANTS = f"PROTOCOL = {PROTOCOL}\nMISSING = {_MISSING_RC}\nDAMAGED = {_DAMAGED_RC}\n"
+
+CALL_TIMEOUT = 120.0  # seconds one verb may take (the long waits of a stop or a start raise it for their call)
+LOOK_TIMEOUT = 30.0  # for what only looks (the live feed, `dynctl hosts`): an unanswered host is reported sooner
 
 
 def boot_argv(python: str, workdir: str) -> list[str]:
@@ -54,8 +59,19 @@ class AgentError(DynctlError):
         self.exit_code = {"preflight": 3, "busy": 3, "down": 3, "usage": 2, "protocol": 2}.get(kind, 1)
 
 
+def open_agent(host: HostConfig, config: Config | None = None, timeout: float = CALL_TIMEOUT) -> AgentClient:
+    """The agent of `host`, over the connection this process keeps for it: the one way every view and action
+    reaches a host."""
+    return AgentClient(connect(host, config), host, timeout)
+
+
+def close_connections() -> None:
+    """Close every connection this process opened to a host (at the end of a command)."""
+    close_all()
+
+
 class AgentClient:
-    def __init__(self, transport: Transport, host: HostConfig, timeout: float = 120.0) -> None:
+    def __init__(self, transport: Transport, host: HostConfig, timeout: float = CALL_TIMEOUT) -> None:
         if problem := workdir_problem(host.workdir):  # config files are checked; hosts built in code are not
             raise ConfigError(f"hosts.{host.name}.workdir: {problem}")
         self.transport = transport

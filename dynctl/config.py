@@ -3,24 +3,24 @@
 from __future__ import annotations
 
 import os
-import posixpath
 import re
 import tomllib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from dynctl import hostspec
 from dynctl.errors import ConfigError, UsageError
+from dynctl.hostspec import workdir_problem
 
 DEFAULT_LAUNCH = ("{python}", "-m", "sglang.launch_server")
-DEFAULT_KEEP_HISTORY = 20  # finished releases and operation records a host keeps in its workdir
+DEFAULT_KEEP_HISTORY = hostspec.DEFAULT_KEEP_HISTORY
 LOCAL_HOST = "local"
 # A host's `strategy`: "auto" patches sglang where dynctl has a patch variant for the release that was
 # measured on a GPU and passes the native adaptive config elsewhere; "patch" and "native" insist on one
 # ("patch" also takes a variant that was not measured on a GPU).
 STRATEGIES = ("auto", "patch", "native")
 _HOST_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-_HOME_PATH = re.compile(r"^~[A-Za-z0-9_.-]*(/|$)")  # ~, ~/x, ~user/x: a home on the host
 _SSH_TARGET = re.compile(r"^(?:(?P<user>[^@\s]+)@)?(?P<host>\[[^\]]+\]|[^:@\s]+)(?::(?P<port>\d+))?$")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # fullmatch: "A\n" is no name (`$` would let it through)
 # Flags dynctl puts on the launch argv itself (SPEC §3): `args` that set them would fight with it.
@@ -55,8 +55,8 @@ class HostConfig:
     ssh: SSHTarget | None = None
     pct: int | None = None
     python: str = "python3"
-    workdir: str = "~/.dynctl"
-    port: int = 30000
+    workdir: str = hostspec.DEFAULT_WORKDIR
+    port: int = hostspec.DEFAULT_PORT
     env: dict[str, str] = field(default_factory=dict)
     args: tuple[str, ...] = ()
     launch: tuple[str, ...] = DEFAULT_LAUNCH
@@ -209,22 +209,6 @@ _HOST_KEYS = {
 }
 
 
-def workdir_problem(workdir: str) -> str | None:
-    """Why `workdir` cannot be one, or None. One rule for every transport: absolute, or under the remote
-    home as ~/...; a relative path would follow whatever directory dynctl happened to run in (the client's
-    cwd locally, the login or container home over SSH and pct), so two shells could split a host's lock.
-    Nor the home directory itself or /: dynctl keeps its lock, journal and agent copies in the workdir and
-    cleans up after itself there."""
-    if not (workdir.startswith("/") or _HOME_PATH.match(workdir)):
-        return f"'{workdir}' is relative: use an absolute path, or ~/... for the home directory on the host"
-    norm = posixpath.normpath(workdir)
-    if not norm.strip("/") or re.fullmatch(r"~[A-Za-z0-9_.-]*", norm):
-        return (f"'{workdir}' is {'the root directory' if norm.startswith('/') else 'the home directory'} itself, where dynctl "
-                "would keep its lock, journal and agent copies and clean up after itself: use a directory of its "
-                "own, such as ~/.dynctl")
-    return None
-
-
 def own_flag_in(args: tuple[str, ...] | list[str]) -> str | None:
     """The first of `args` that is a flag dynctl adds to the launch argv itself, or None."""
     for arg in args:
@@ -277,14 +261,13 @@ def _parse_host(name: str, raw: Any, where: str) -> HostConfig:
             host = replace(host, **{k: value})
     if "port" in raw:
         port = raw["port"]
-        if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
-            raise ConfigError(f"{where}: {key}.port: expected an integer 1-65535, got {port!r}")
+        if problem := hostspec.port_problem(port):
+            raise ConfigError(f"{where}: {key}.port: {problem}")
         host = replace(host, port=port)
     if "keep_history" in raw:
         keep = raw["keep_history"]
-        if not isinstance(keep, int) or isinstance(keep, bool) or not 1 <= keep <= 100_000:
-            raise ConfigError(f"{where}: {key}.keep_history: expected how many finished releases and operation "
-                              f"records to keep, an integer 1-100000, got {keep!r}")
+        if problem := hostspec.keep_history_problem(keep):
+            raise ConfigError(f"{where}: {key}.keep_history: {problem}")
         host = replace(host, keep_history=keep)
     if "env" in raw:
         env = raw["env"]

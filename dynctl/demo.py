@@ -19,12 +19,11 @@ import tomlkit
 
 from dynctl import deploy as core
 from dynctl import events
-from dynctl.agent import AgentClient
+from dynctl.agent import AgentClient, open_agent
 from dynctl.config import Config, HostConfig, find_config_path, load_config, user_config_path
 from dynctl.configedit import keep_trailing_lines
 from dynctl.errors import ConfigError
 from dynctl.lifecycle import find_server, restart_server, server_argv
-from dynctl.transport import connect
 
 DEMO_HOST = "demo"
 RAMP = (1, 2, 4, 8, 16, 32, 64, 32, 16, 8, 4, 2, 1)
@@ -127,14 +126,14 @@ def prepare(config_path: str | None = None, root: Path | None = None, port: int 
     path = register_demo_host(entry, config_path)
     cfg = load_config(path)
     host = cfg.host(DEMO_HOST)
-    agent = AgentClient(connect(host, cfg), host)
+    agent = open_agent(host, cfg)
     taken = port_taken(agent, port)
     if taken is not None:
         entry["port"] = free_port()
         path = register_demo_host(entry, config_path)
         cfg = load_config(path)
         host = cfg.host(DEMO_HOST)
-        agent = AgentClient(connect(host, cfg), host)
+        agent = open_agent(host, cfg)
         on_event(events.Warning(f"port {port} is taken by {taken}, which the demo did not start: the demo leaves "
                                 f"it alone and uses port {entry['port']} instead"))
     on_event(events.StepDone("prepare", 0.0, f"registered as host '{DEMO_HOST}' (port {entry['port']}) in {path}"))
@@ -200,7 +199,7 @@ def load_ramp(agent: AgentClient, levels: tuple[int, ...] = RAMP, seconds: float
         raw: dict[str, Any] | None = None
         for item in agent.stream("bench_level", concurrency=concurrency, input_len=64, output_len=64,
                                  duration=seconds, warmup=0):
-            if item.get("event") == "level":
+            if item.get("type") == "level":
                 raw = item
         if raw is None:
             continue

@@ -90,7 +90,7 @@ def ignore(event: Any) -> None:
 
 
 def from_stop(result: dict[str, Any], elapsed: float) -> list[Event]:
-    """A `server_stop` answer (also inside a restart's `server_stopped` record)."""
+    """A `server_stop` answer (also the result of an operation's "stop" step)."""
     if not result.get("stopped"):
         return [StepDone("stop", elapsed, result.get("message", "already stopped"))]
     out: list[Event] = []
@@ -115,7 +115,7 @@ def from_stop(result: dict[str, Any], elapsed: float) -> list[Event]:
 
 
 def from_start(result: dict[str, Any], elapsed: float) -> StepDone:
-    """A `server_start` answer (also inside a restart's `server_started` record)."""
+    """A `server_start` answer (also the result of an operation's "start" step)."""
     if result.get("already_running"):
         return StepDone("start", elapsed, f"already running as pid {result['pid']}")
     how = f" with {result['launch']}" if result.get("launch") else ""
@@ -125,8 +125,8 @@ def from_start(result: dict[str, Any], elapsed: float) -> StepDone:
 
 
 def from_ready_item(item: dict[str, Any]) -> list[Event]:
-    """One item of the `server_wait_ready` stream (and of a restart's wait); "ready" itself is the caller's."""
-    kind = item.get("event")
+    """One item of the `server_wait_ready` stream; "ready" itself is the caller's."""
+    kind = item.get("type")
     if kind == "log":
         return [LogLine(line) for line in item.get("lines", [])]
     if kind == "warning":
@@ -142,49 +142,43 @@ def ready_detail(item: dict[str, Any]) -> str:
 class OperationEvents:
     """Reads one operation's records (`ops/<id>.jsonl`, as op_run and op_follow stream them) as events.
 
-    A record's `elapsed` is the host's clock since the worker started, so steps keep their true durations
-    when `dynctl ops follow` replays an operation that ended long ago.
+    Every operation writes its own steps (step_started, step_done with the seconds the host measured), so
+    steps keep their true durations when `dynctl ops follow` replays an operation that ended long ago.
     """
 
     def __init__(self) -> None:
         self.step = ""
-        self._step_t0 = 0.0
 
     def read(self, record: dict[str, Any]) -> list[Event]:
         kind = record.get("type")
-        at = float(record.get("elapsed") or 0.0)
         if kind == "step_started":
-            self._begin(record["step"], at)
+            self.step = record["step"]
             return [StepStarted(record["step"], record.get("detail") or "")]
         if kind == "step_done":
-            return [StepDone(record["step"], record.get("seconds") or 0.0)]
+            return self._done(record["step"], record.get("seconds") or 0.0, record.get("result"))
         if kind == "log":
             return [LogLine(record.get("text", ""))]
         if kind == "info":
             return [Note(record.get("text", ""))]
         if kind == "warning":
             return [Warning(record.get("text", ""))]
-        # a restart runs the lifecycle verbs inside the worker: their answers arrive as records of their own
-        if kind == "started" and record.get("kind") == "restart":
-            self._begin("stop", at)
-            return [StepStarted("stop", "SIGTERM, drain, SIGKILL after the grace")]
-        if kind == "server_stopped":
-            out = from_stop(record.get("result") or {}, at - self._step_t0)
-            self._begin("start", at)
-            return [*out, StepStarted("start", "the launch argv of the release in force, else the configured one")]
-        if kind == "server_started":
-            done = from_start(record.get("result") or {}, at - self._step_t0)
-            self._begin("ready", at)
-            return [done, StepStarted("ready", "/health_generate and one /generate")]
-        if kind == "final" and record.get("ok") and self.step == "ready":
-            return [StepDone("ready", at - self._step_t0, ready_detail(record))]
         if kind == "final" and not record.get("ok"):
             return [Failed(self.step or str(record.get("op_kind") or "operation"),
                            record.get("error") or "failed", tuple(record.get("log_tail") or ()))]
         return []  # "started" (the worker took it up), "waiting" (a heartbeat), a successful "final"
 
-    def _begin(self, step: str, at: float) -> None:
-        self.step, self._step_t0 = step, at
+    @staticmethod
+    def _done(step: str, seconds: float, result: dict[str, Any] | None) -> list[Event]:
+        """A step's end; the verb answer a step carries (a restart's stop, start and ready) says how it went."""
+        if result is None:
+            return [StepDone(step, seconds)]
+        if step == "stop":
+            return from_stop(result, seconds)
+        if step == "start":
+            return [from_start(result, seconds)]
+        if step == "ready":
+            return [StepDone(step, seconds, ready_detail(result))]
+        return [StepDone(step, seconds)]
 
 
 def one_line(cmdline: list[str] | None, width: int = 100) -> str:

@@ -154,10 +154,9 @@ class HostFeed:
 
 def default_client_opener(host: HostConfig, config: Config | None) -> Callable[[], WatchClient]:
     def open_client() -> WatchClient:
-        from dynctl.agent import AgentClient
-        from dynctl.transport import connect
+        from dynctl.agent import LOOK_TIMEOUT, open_agent
 
-        return AgentClient(connect(host, config), host, timeout=30.0)
+        return open_agent(host, config, timeout=LOOK_TIMEOUT)
 
     return open_client
 

@@ -1,6 +1,7 @@
 """The TUI's keys bound to one configured host: the same core commands the CLI runs, nothing decided here (UI-free).
 
-The TUI asks its own questions (dialogs) before it calls, so the commands run with `lifecycle.proceed`.
+The TUI asks its own questions (dialogs) before it calls, so the commands run with `lifecycle.proceed`; a deploy
+asks the TUI's `confirm` itself, once it has planned, so the dialog can show the plan's warnings.
 """
 
 from __future__ import annotations
@@ -9,10 +10,9 @@ from typing import Any
 
 from dynctl import deploy as core
 from dynctl import lifecycle
-from dynctl.agent import AgentClient
+from dynctl.agent import AgentClient, open_agent
 from dynctl.config import Config, HostConfig
 from dynctl.events import EventSink
-from dynctl.transport import connect
 
 
 class CoreActions:
@@ -25,10 +25,10 @@ class CoreActions:
         self.ready_timeout = ready_timeout
 
     def _agent(self) -> AgentClient:
-        return AgentClient(connect(self.host, self.config), self.host)
+        return open_agent(self.host, self.config)
 
-    def deploy(self, threshold: int, on_event: EventSink) -> Any:
-        return core.deploy_threshold(self._agent(), self.host, threshold, on_event, grace=self.grace,
+    def deploy(self, threshold: int, on_event: EventSink, confirm: lifecycle.Confirm) -> Any:
+        return core.deploy_threshold(self._agent(), self.host, threshold, on_event, confirm, grace=self.grace,
                                      ready_timeout=self.ready_timeout)
 
     def rollback(self, on_event: EventSink) -> Any:

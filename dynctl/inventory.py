@@ -7,10 +7,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from dynctl.agent import AgentClient
+from dynctl.agent import LOOK_TIMEOUT, AgentClient, open_agent
 from dynctl.config import Config, HostConfig
 from dynctl.errors import DynctlError
-from dynctl.transport import connect
 
 
 @dataclass
@@ -30,7 +29,7 @@ class Reachability:
 def probe_host(host: HostConfig, config: Config) -> Reachability:
     """Reach the host and its agent once; latency is the agent round trip after the connection is up."""
     try:
-        agent = AgentClient(connect(host, config), host, timeout=30)
+        agent = open_agent(host, config, timeout=LOOK_TIMEOUT)
         agent.call("ping")  # connects, uploads the agent if needed
         start = time.perf_counter()
         agent.call("ping")

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from dynctl import events, operations, sglang
+from dynctl import events, hostspec, operations, sglang
 from dynctl.agent import AgentClient, AgentError
 from dynctl.config import HostConfig, own_flag_in
 from dynctl.errors import ConfigError, DynctlError, Interrupted, OperationFailed, PreflightError
@@ -127,20 +127,14 @@ def server_argv(host: HostConfig, extra: Sequence[str] = ()) -> list[str]:
     """The launch argv: configured launch + args + `extra` + the flags dynctl owns (--port, --enable-metrics)."""
     if flag := own_flag_in(host.args):  # config files are checked when read; hosts built in code are not
         raise ConfigError(f"hosts.{host.name}.args: remove {flag}; dynctl adds it itself (SPEC §3)")
-    return [*host.launch_argv(), *host.args, *extra, "--port", str(host.port), "--enable-metrics"]
+    return hostspec.configured_argv(host.launch_argv(), [*host.args, *extra], host.port)
 
 
 def launch_in_force(state: ServerState, host: HostConfig) -> tuple[list[str], str]:
     """The argv a plain start or restart runs, and why: the one recorded with the release in force (what
-    deploy started, threshold included), else the configured one. The agent decides the same way."""
-    in_force = state.in_force or {}
-    if in_force.get("argv"):
-        return list(in_force["argv"]), f"the launch argv of release {in_force['release']}"
-    why = f"release {in_force['release']} records none" if in_force else "no release in force"
-    if state.adopted and state.adopted.get("argv"):
-        return (list(state.adopted["argv"]),
-                f"the adopted launch of pid {state.adopted.get('pid')}, the baseline ({why})")
-    return server_argv(host), f"the configured launch argv ({why})"
+    deploy started, threshold included), else the adopted one, else the configured one: the agent's rule."""
+    argv, how, _ = hostspec.plain_start(state.in_force, state.adopted, server_argv(host))
+    return argv, how
 
 
 @contextlib.contextmanager
@@ -419,7 +413,7 @@ def wait_ready(agent: AgentClient, ready_timeout: float = 900.0,
     t0 = time.monotonic()
     try:
         for item in agent.stream_through_drop("server_wait_ready", ready_timeout=ready_timeout):
-            if item.get("event") == "ready":
+            if item.get("type") == "ready":
                 on_event(events.StepDone("ready", time.monotonic() - t0, events.ready_detail(item)))
                 return item
             for event in events.from_ready_item(item):

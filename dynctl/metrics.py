@@ -307,14 +307,6 @@ GPU_QUERY = sglang.GPU_QUERY
 APPS_QUERY = sglang.APPS_QUERY
 
 
-def nvidia_smi_gpu_argv(loop_ms: int | None = None) -> list[str]:
-    return sglang.gpu_query_argv() + (["-lms", str(loop_ms)] if loop_ms else [])
-
-
-def nvidia_smi_apps_argv() -> list[str]:
-    return sglang.apps_query_argv()
-
-
 # What nvidia-smi prints in place of a value it cannot give (driver-dependent spellings).
 _NOT_A_VALUE = {"[n/a]", "n/a", "[not supported]", "not supported", "[unknown error]", "[insufficient permissions]",
                 "[gpu is lost]", "[gpu requires reset]", ""}
@@ -328,14 +320,6 @@ class GpuStat:
     util_pct: float | None
     mem_used_mib: float | None
     mem_total_mib: float | None
-
-
-@dataclass(frozen=True)
-class GpuProcess:
-    gpu_uuid: str | None
-    pid: int
-    process_name: str | None
-    used_mib: float | None
 
 
 def _value(raw: str) -> str | None:
@@ -376,14 +360,3 @@ def parse_gpu_csv(text: str) -> list[GpuStat]:
         gpus.append(GpuStat(index, row["uuid"], row["name"], _num(row["utilization.gpu"], float),
                             _num(row["memory.used"], float), _num(row["memory.total"], float)))
     return sorted(gpus, key=lambda g: g.index)
-
-
-def parse_compute_apps_csv(text: str) -> list[GpuProcess]:
-    """`nvidia-smi --query-compute-apps=gpu_uuid,pid,process_name,used_memory` rows (pid may be a host pid in a container)."""
-    procs = []
-    for row in parse_nvidia_smi_csv(text, APPS_QUERY):
-        pid = _num(row["pid"], int)
-        if pid is None:
-            continue
-        procs.append(GpuProcess(row["gpu_uuid"], pid, row["process_name"], _num(row["used_memory"], float)))
-    return procs

@@ -32,6 +32,11 @@ LATEST = "latest"
 RECONNECT_FOR_S = 60.0
 
 
+def recent(agent: AgentClient, limit: int = 20) -> list[Record]:
+    """The newest operations on the host, newest first: id, kind, who, when received, and how each ended."""
+    return list(agent.call("op_list", limit=limit)["ops"])
+
+
 def new_op_id(kind: str) -> str:
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%S")
     return f"{stamp}-{kind}-{uuid.uuid4().hex[:12]}"

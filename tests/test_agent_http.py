@@ -34,5 +34,5 @@ def test_deploy_threshold_and_bench_ignore_a_dead_http_proxy(local_demo, dead_pr
     assert probe["reachable"] is True and probe["threshold"] == 7 and probe["metrics"] is True
     items = list(agent.stream("bench_level", concurrency=1, input_len=8, output_len=4, num_prompts=2, warmup=0))
     level = items[-1]
-    assert level["event"] == "level" and len(level["records"]) == 2 and level["failed"] == 0
+    assert level["type"] == "level" and len(level["records"]) == 2 and level["failed"] == 0
     assert level["samples"], "the /metrics samples of the level"

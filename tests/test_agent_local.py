@@ -133,7 +133,7 @@ def agent_module():
 
 def test_old_agent_copies_are_pruned(tmp_path):
     """The newest few copies stay (a worker of an older client may still start from one); older ones that
-    have not been touched for an hour go, and so do the one-file agents of earlier dynctl versions."""
+    have not been touched for an hour go."""
     work = tmp_path / "work"
     folder = work / "agent"
     old = [f"{i:016x}" for i in range(1, 6)]
@@ -141,8 +141,6 @@ def test_old_agent_copies_are_pruned(tmp_path):
         (folder / name / "dynctl_agent").mkdir(parents=True)
         os.utime(folder / name, (1_000_000 + i, 1_000_000 + i))
     (folder / "00000000000000ff").mkdir()  # another client's, uploaded a moment ago
-    (work / "agent-0123456789abcdef.py").write_text("old one-file agent")
-    (work / "agent-0123456789abcdef.pyc").write_bytes(b"old")
     (work / "journal.jsonl").write_text("")
     assert make_agent(tmp_path).call("ping")["pong"] is True
     kept = sorted(p.name for p in folder.iterdir())
@@ -161,7 +159,8 @@ def test_a_verb_imports_only_its_own_modules(tmp_path):
     proc = subprocess.run([sys.executable, "-c", probe, str(root), json.dumps(request)], capture_output=True,
                           text=True, timeout=60)
     assert json.loads(proc.stdout)["result"]["pong"] is True
-    assert json.loads(proc.stderr) == ["dynctl_agent", "dynctl_agent.protocol", "dynctl_agent.verbs"]
+    assert json.loads(proc.stderr) == ["dynctl", "dynctl.hostspec", "dynctl_agent", "dynctl_agent.protocol",
+                                       "dynctl_agent.verbs"]  # hostspec: the request's host settings checked
     for name, entry in {**verbs.VERBS, **verbs.OPS}.items():  # and every one names a function that is there
         assert callable(verbs.load(entry)), name
 

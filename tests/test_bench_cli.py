@@ -79,6 +79,7 @@ def server():
     (["--duration", "5", "--num-prompts", "3"], "either --duration or --num-prompts"),
     (["--input-len", "0"], "--input-len"),
     (["--threshold", "x"], "--threshold 'x'"),
+    (["--threshold", "4,2000000"], "2000000 is larger than 1,000,000"),  # the bounds of deploy --threshold
     (["stray"], "unexpected argument 'stray'"),
 ])
 def test_bad_input_exits_2_naming_the_item(args, fragment, tmp_path):

@@ -226,7 +226,7 @@ def local_agent(port: int, serves_here: bool = False) -> AgentClient:
 def run_level(agent: AgentClient, **params) -> tuple[list[dict], dict]:
     ticks, result = [], None
     for item in agent.stream("bench_level", **params):
-        if item["event"] == "tick":
+        if item["type"] == "tick":
             ticks.append(item)
         else:
             result = item
@@ -279,7 +279,7 @@ def test_server_restart_mid_level_is_counted_not_fatal(token_server):
     restarted = False
     for item in agent.stream("bench_level", concurrency=4, input_len=8, output_len=20, duration=2.5,
                              warmup=0, tick_s=0.25):
-        if item["event"] == "tick":
+        if item["type"] == "tick":
             ticks.append(item)
             if not restarted and item["completed"] >= 4:
                 token_server.restart()

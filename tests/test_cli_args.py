@@ -65,7 +65,7 @@ def test_minus_one_is_a_value_wherever_a_threshold_goes(unreachable: Path, argv:
     (["threshold", "--yes", "-7"], "threshold: -7 is below -1"),
     (["threshold", "abc", "--yes"], "threshold: 'abc' is not an integer"),
     (["deploy", "--threshold", "-3", "--yes"], "--threshold: -3 is below -1"),
-    (["bench", "--threshold", "-2"], "--threshold -2: expected -1 (always speculate)"),
+    (["bench", "--threshold", "-2"], "--threshold '-2': -2 is below -1"),
 ])
 def test_bad_thresholds_are_usage_errors_before_any_host_is_contacted(unreachable: Path, argv: list[str],
                                                                       fragment: str):

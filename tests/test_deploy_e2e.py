@@ -105,7 +105,7 @@ def test_missing_comma_is_refused_before_the_server_is_touched(demo_box):
     assert core.list_releases(s.agent) == []
 
 
-@pytest.mark.parametrize("step", ["switch", "stop", "health"])
+@pytest.mark.parametrize("step", ["switch", "stop", "ready"])
 def test_connection_cut_mid_deploy_converges(demo_box, sshd, step):
     """The worker runs on the host: cutting SSH at any step leaves it to finish, and the client catches up."""
     config = demo_box()

@@ -610,7 +610,7 @@ def test_second_operation_is_refused_naming_the_first(demo_box):
     started = threading.Event()
 
     def record(e: events.Event) -> None:
-        if isinstance(e, events.StepStarted) and e.step == "health":
+        if isinstance(e, events.StepStarted) and e.step == "ready":
             started.set()
 
     errors: list[Exception] = []

@@ -456,7 +456,7 @@ def test_a_server_that_dies_soon_after_ready_is_rolled_back(demo_box):
     message = str(info.value)
     assert "after it became ready" in message and "soak of 30s" in message, message
     assert "rolled back to baseline, which is serving again" in message
-    assert [e.step for e in seen if isinstance(e, events.StepDone)][:5] == ["switch", "stop", "start", "health",
+    assert [e.step for e in seen if isinstance(e, events.StepDone)][:5] == ["switch", "stop", "start", "ready",
                                                                             "verify"]
     assert any(isinstance(e, events.Failed) and any("CUDA error" in ln for ln in e.log_tail) for e in seen)
     assert tree_sha256(config) == pristine and releases_in_force(config) == []

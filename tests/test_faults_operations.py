@@ -170,7 +170,7 @@ def test_ctrl_c_during_a_deploy_says_it_goes_on_and_ops_follow_reattaches(demo_b
     start_baseline(config)
     workdir = workdir_of(config)
     rc, out, err = interrupt_dynctl(config, ["deploy", "--threshold", "5"],
-                                    lambda: any(e.get("step") == "health" for e in op_events(workdir)))
+                                    lambda: any(e.get("step") == "ready" for e in op_events(workdir)))
     assert rc == 130, out + err
     assert "the deploy continues on the host" in err and "`dynctl rollback` to undo it" in err
     op_id = re.search(r"`dynctl ops follow (\S+)`", err).group(1)
@@ -178,7 +178,7 @@ def test_ctrl_c_during_a_deploy_says_it_goes_on_and_ops_follow_reattaches(demo_b
 
     latest = dynctl("ops", "follow", "latest", config=config)
     assert latest.returncode == 0, latest.stdout + latest.stderr
-    assert "threshold 5 in force" in latest.stdout and "→ health" in latest.stdout
+    assert "threshold 5 in force" in latest.stdout and "→ ready" in latest.stdout
     by_id = dynctl("ops", "follow", op_id, "--json", config=config)
     assert by_id.returncode == 0 and json.loads(by_id.stdout)["release"]
     assert server_info(config)["internal_states"][0]["speculative_disable_batch_threshold"] == 5
@@ -193,7 +193,7 @@ def test_ctrl_c_during_a_restart_or_a_start_exits_130_saying_it_goes_on(demo_box
 
     def waiting_for_ready() -> bool:
         if verb == "restart":
-            return any(e.get("type") == "server_started" for e in op_events(workdir))
+            return any(e.get("type") == "step_done" and e.get("step") == "start" for e in op_events(workdir))
         return (workdir / "server.json").exists()
 
     rc, out, err = interrupt_dynctl(config, [verb], waiting_for_ready)

@@ -364,18 +364,18 @@ def test_a_world_or_group_writable_workdir_is_refused(tmp_path, mode):
 
 
 def test_cleanups_remove_only_the_names_dynctl_writes(tmp_path):
-    """Temp files of killed writers, unpackings of killed uploads, old copies and the one-file agents of older
-    dynctls go; files of the operator's that merely look alike stay."""
+    """Temp files of killed writers, unpackings of killed uploads and old copies go; files of the operator's that
+    merely look alike stay, and so does anything dynctl does not write today."""
     work = tmp_path / "work"
     (work / "agent").mkdir(parents=True)
     (work / "ops").mkdir()
     dead = subprocess.Popen(["true"])
     dead.wait()
     ours = [f"server.json.tmp.{dead.pid}", f"lock.tmp.{dead.pid}", f"current.tmp.{dead.pid}",
-            f"ops/20261201T000000-deploy-abcdef.json.tmp.{dead.pid}", "agent-0123456789abcdef.py",
-            "agent-0123456789abcdef.pyc", f"agent-0123456789abcdef.py.tmp.{dead.pid}",
+            f"ops/20261201T000000-deploy-abcdef.json.tmp.{dead.pid}",
             f"agent/.tmp-0123456789abcdef-{dead.pid}/dynctl_agent/verbs.py"]
     theirs = ["agent-notes.py", "agent-tool.pyc", "agent-0123456789abcdef.py.orig", f"notes.tmp.{dead.pid}",
+              "agent-0123456789abcdef.py", "agent-0123456789abcdef.pyc",  # names dynctl no longer writes
               f"ops/readme.tmp.{dead.pid}", f"agent/.tmp-backup-{dead.pid}", "agent/README", "agent/0123456789ABCDEF",
               "agent/old-copy-of-mine"]
     for name in ours + theirs:

@@ -312,7 +312,7 @@ def test_a_traceback_of_an_optional_feature_during_start_is_not_a_crash(box: Box
     """sglang logs a Traceback when it skips an optional module and then serves: only an exit is a crash."""
     box.start("--optional-traceback", "--start-delay", "2.5")
     done = lifecycle.wait_ready(box.agent, ready_timeout=120, on_event=box.events.append)
-    assert done["event"] == "ready"
+    assert done["type"] == "ready"
     warned = [e for e in box.events if isinstance(e, events.Warning)]
     assert warned and "Traceback during start" in warned[0].text and "still running" in warned[0].text
 
@@ -321,7 +321,7 @@ def test_a_traceback_logged_while_serving_is_not_a_failed_start(box: Box):
     box.start_ready()
     with open(box.workdir / "server.log", "a") as log:  # e.g. a bad request's handler error, later on
         log.write("Traceback (most recent call last):\nValueError: bad request\n")
-    assert lifecycle.wait_ready(box.agent, ready_timeout=30)["event"] == "ready"
+    assert lifecycle.wait_ready(box.agent, ready_timeout=30)["type"] == "ready"
 
 
 def test_stop_is_refused_while_another_operation_holds_the_host(box: Box):

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from dynctl import lifecycle
-from dynctl.metrics import APPS_QUERY, GPU_QUERY, parse_compute_apps_csv, parse_gpu_csv
+from dynctl.metrics import APPS_QUERY, GPU_QUERY, parse_gpu_csv
+from dynctl_agent.nvidia import parse_compute_apps
 from lifecycle_harness import alive, make_box, wait_for
 
 
@@ -68,7 +69,7 @@ def test_stop_waits_until_real_gpu_memory_is_released(tmp_path, variant):
         capture("query_apps_idle.txt", apps())
         pid = box.start_ready(*flags, ready_timeout=300)["pid"]
         holders = {pid, *box.children().values()}
-        wait_for(lambda: holders <= {p.pid for p in parse_compute_apps_csv(apps())}, 120,
+        wait_for(lambda: holders <= set(parse_compute_apps(apps())), 120,
                  f"nvidia-smi to list pids {sorted(holders)}")
         busy_apps, busy_gpu = apps(), gpu_rows()
         capture(f"query_apps_busy_{variant}.txt", busy_apps)
@@ -84,7 +85,7 @@ def test_stop_waits_until_real_gpu_memory_is_released(tmp_path, variant):
         gpu = result["gpu"]
         assert gpu["checked"] is True, result
         assert set(gpu["held_before"]) == holders
-        assert not holders & {p.pid for p in parse_compute_apps_csv(after_apps)}
+        assert not holders & set(parse_compute_apps(after_apps))
         assert not any(alive(p) for p in holders)
         assert result["escalated"] is (variant == "ignores_sigterm")
         if variant == "drains_but_a_gpu_child_leaks":

@@ -11,7 +11,6 @@ import pytest
 
 from dynctl.metrics import (
     MetricsFormatError,
-    parse_compute_apps_csv,
     parse_decode_line,
     parse_gpu_csv,
     parse_log_time,
@@ -176,15 +175,6 @@ class TestNvidiaSmi:
         assert gpus[0].name == "NVIDIA H200" and gpus[0].util_pct == 0 and gpus[0].mem_total_mib == 143771
         assert gpus[1].util_pct is None and gpus[1].mem_used_mib == 71234
         assert gpus[2].util_pct is None and gpus[2].mem_used_mib is None and gpus[2].mem_total_mib is None
-
-    def test_compute_apps_with_commas_in_names(self) -> None:
-        text = ("GPU-a0137e3f, 4242, /opt/sglang/bin/python3, 70123\n"
-                "GPU-a0137e3f, 4300, sglang::scheduler_TP0, tp, 1024\n"
-                "GPU-b0137e3f, 4301, [Insufficient Permissions], [N/A]\n")
-        apps = parse_compute_apps_csv(text)
-        assert [(a.pid, a.used_mib) for a in apps] == [(4242, 70123), (4300, 1024), (4301, None)]
-        assert apps[1].process_name == "sglang::scheduler_TP0, tp"
-        assert apps[2].process_name is None
 
     def test_wrong_column_count_names_the_line(self) -> None:
         with pytest.raises(MetricsFormatError, match="line 2: expected 6 columns"):

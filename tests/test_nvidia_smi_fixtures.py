@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from dynctl.metrics import MetricsFormatError, parse_compute_apps_csv, parse_gpu_csv, parse_nvidia_smi_csv
+from dynctl.metrics import MetricsFormatError, parse_gpu_csv, parse_nvidia_smi_csv
 from dynctl_agent.nvidia import parse_compute_apps
 
 FIX = Path(__file__).parent / "fixtures" / "nvidia_smi"
@@ -23,13 +23,6 @@ def test_gpu_rows_idle_and_busy():
     assert (idle.index, idle.uuid, idle.name) == (0, UUID, "NVIDIA H200")
     assert (idle.mem_used_mib, idle.mem_total_mib, idle.util_pct) == (0, 143771, 0)
     assert busy.mem_used_mib == 4739
-
-
-def test_compute_apps_real_rows():
-    assert parse_compute_apps_csv(fixture("query_apps_idle.txt")) == []
-    two = parse_compute_apps_csv(fixture("query_apps_two_processes.txt"))
-    assert [(p.pid, p.used_mib, p.gpu_uuid) for p in two] == [(490, 4706, UUID), (538, 14, UUID)]
-    assert two[0].process_name == "/opt/torch/.venv/bin/python3"
 
 
 def test_wide_query_keeps_every_column():

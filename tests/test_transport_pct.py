@@ -12,7 +12,7 @@ import pytest
 from dynctl.agent import AgentClient
 from dynctl.config import load_config
 from dynctl.errors import UnreachableError
-from dynctl.transport import close_all, connect, write_file_atomic
+from dynctl.transport import Result, Transport, close_all, connect
 from dynctl.transport.local import Local
 from dynctl.transport.pct import RC_MARK, Pct
 from sshd_harness import FakeHost
@@ -125,6 +125,18 @@ def test_stream_lines_and_exit_status(sshd: FakeHost):
         s.close()
     assert s.rc == 6
     assert s.stderr == b"oops\n"
+
+
+# Writes stdin to $1 atomically: temp file in the same directory, chmod, rename. A constant script with its
+# arguments positional: binary stdin and a hostile path through the pct layer's quoting, unharmed.
+ATOMIC_WRITE_SH = (
+    'set -e; d=$(dirname -- "$1"); mkdir -p -- "$d"; t="$d/.$(basename -- "$1").tmp.$$"; '
+    'trap \'rm -f -- "$t"\' EXIT; cat > "$t"; chmod "$2" "$t"; mv -f -- "$t" "$1"; trap - EXIT'
+)
+
+
+def write_file_atomic(transport: Transport, path: str, data: bytes, mode: int = 0o600) -> Result:
+    return transport.run(["sh", "-c", ATOMIC_WRITE_SH, "sh", path, f"{mode:o}"], stdin=data, timeout=60)
 
 
 def test_write_file_atomic_into_a_path_with_spaces_and_dollar(sshd: FakeHost, ct: int):

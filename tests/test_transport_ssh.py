@@ -17,6 +17,7 @@ import httpx
 import psutil
 import pytest
 from polling import finishes, wait_for
+from ssh_tunnel import forward_local, open_channel
 from sshd_harness import FakeHost, connection_owner, free_port
 
 from dynctl.config import SSHTarget, load_config
@@ -410,7 +411,7 @@ def test_forward_local_carries_http_keepalive(sshd: FakeHost):
     threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
     t = sshd.ssh()
     try:
-        with t.forward_local("127.0.0.1", server.server_address[1]) as (host, port):
+        with forward_local(t, "127.0.0.1", server.server_address[1]) as (host, port):
             assert host == "127.0.0.1" and port != server.server_address[1]
             with httpx.Client(base_url=f"http://{host}:{port}", timeout=5) as client:
                 bodies = [client.get(f"/{i}").text for i in range(50)]
@@ -425,8 +426,8 @@ def test_tunnel_to_a_closed_port_is_connection_refused(sshd: FakeHost):
     t = sshd.ssh()
     closed = free_port()
     with pytest.raises(ConnectionRefusedError, match=rf"cannot reach 127\.0\.0\.1:{closed}"):
-        t.open_channel("127.0.0.1", closed)
-    with t.forward_local("127.0.0.1", closed) as (host, port), pytest.raises(httpx.TransportError):
+        open_channel(t, "127.0.0.1", closed)
+    with forward_local(t, "127.0.0.1", closed) as (host, port), pytest.raises(httpx.TransportError):
         httpx.get(f"http://{host}:{port}/", timeout=5)
     assert t.run(["true"]).rc == 0
 

@@ -6,6 +6,7 @@ agent's exact shape; actions are recorded by a small HostActions implementation 
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import pytest
@@ -111,6 +112,16 @@ class TestIndicators:
             assert "█" in chart and chart.splitlines()[0].lstrip().startswith("1.2k")  # peak 1120 tok/s
 
 
+async def screen_of(pilot, cls: type, deadline_s: float = 10.0):
+    """The screen of type `cls` once the app shows it (a worker pushes it from its thread)."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + deadline_s
+    while not isinstance(pilot.app.screen, cls):
+        assert loop.time() < end, f"no {cls.__name__} within {deadline_s} s (screen: {pilot.app.screen!r})"
+        await pilot.pause(0.02)
+    return pilot.app.screen
+
+
 @pytest.mark.asyncio
 class TestKeysAndModals:
     async def test_deploy_asks_a_valid_threshold_then_runs_with_progress(self, harness: Harness) -> None:
@@ -129,6 +140,11 @@ class TestKeysAndModals:
             assert "threshold must be" in str(modal.query_one("#dialog-error").content)
             field.value = ""
             await pilot.press("1", "2", "enter")
+            confirm = await screen_of(pilot, ConfirmModal)  # the deploy's own question, once it has planned
+            assert "Deploy threshold 12 to glm5?" in str(confirm.query_one("#dialog-title").content)
+            assert "12 is not a CUDA-graph batch size" in str(confirm.query_one("#dialog-prompt").content)
+            assert harness.calls == []  # nothing runs before the operator commits
+            await pilot.press("y")
             await harness.app.workers.wait_for_complete()
             await pilot.pause()
             assert harness.calls == [("glm5", "deploy", 12)]
@@ -138,6 +154,18 @@ class TestKeysAndModals:
             assert any("✔ deploy step (0.2 s)" in ln or "✔ deploy step (0.3 s)" in ln for ln in lines)
             assert "deploy done" in lines[-1]
             assert harness.app.running == {}
+
+    async def test_no_to_the_planned_deploy_changes_nothing(self, harness: Harness) -> None:
+        async with harness.app.run_test(size=(80, 24)) as pilot:
+            harness.push(item(T0, 0, 3))
+            await pilot.pause()
+            await pilot.press("d", "enter")
+            await screen_of(pilot, ConfirmModal)
+            await pilot.press("n")
+            await harness.app.workers.wait_for_complete()
+            await pilot.pause()
+            assert harness.calls == [] and harness.app.running == {}
+            assert "deploy cancelled on glm5: nothing was changed" in log_text(harness.panel(ActionLog))[-1]
 
     async def test_escape_cancels_the_threshold_dialog(self, harness: Harness) -> None:
         async with harness.app.run_test(size=(80, 24)) as pilot:

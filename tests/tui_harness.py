@@ -63,7 +63,10 @@ class RecordingActions:
             assert self.gate.wait(10)
         on_event(events.StepDone(f"{name} step", 0.25))
 
-    def deploy(self, threshold: int, on_event: Callable[[Any], None]) -> None:
+    def deploy(self, threshold: int, on_event: Callable[[Any], None], confirm: Callable[[str], None]) -> None:
+        """As the core's deploy_threshold: the plan's warnings, then the question, then the deploy."""
+        on_event(events.Warning(f"{threshold} is not a CUDA-graph batch size"))
+        confirm(f"Deploy threshold {threshold} to {self.host}?")
         self._run("deploy", threshold, on_event)
 
     def rollback(self, on_event: Callable[[Any], None]) -> None:

@@ -194,12 +194,12 @@ def _measure_level(agent: AgentClient, host: str, plan: BenchPlan, mode: Mode, c
         # closing(): on Ctrl-C the agent's level must stop now, not when the traceback is collected
         with contextlib.closing(agent.stream("bench_level", **params)) as items:
             for item in items:
-                if item.get("event") == "tick":
+                if item.get("type") == "tick":
                     on_event(LevelProgress(mode, concurrency, item.get("phase", "?"),
                                            float(item.get("elapsed", 0)), item.get("window_elapsed"),
                                            int(item.get("completed", 0)), int(item.get("failed", 0)),
                                            read_sample(item.get("metrics") or "").get("running")))
-                elif item.get("event") == "level":
+                elif item.get("type") == "level":
                     raw = item
     except AgentError as err:
         if err.kind == "unreachable":

@@ -45,6 +45,7 @@ from dynctl.cli.common import (
 )
 from dynctl.cli.progress import EventPrinter
 from dynctl.errors import DynctlError, UsageError
+from dynctl.patching import parse_threshold
 
 EXIT_INTERRUPTED = 130
 _DEFAULT_LEVELS = ",".join(str(c) for c in BenchPlan().concurrency)
@@ -132,11 +133,7 @@ def _parse_thresholds(items: list[str]) -> list[int]:
     out = []
     for raw in items:
         for part in raw.split(","):
-            part = part.strip()
-            try:
-                out.append(int(part))
-            except ValueError:
-                raise UsageError(f"--threshold {raw!r}: {part!r} is not an integer (-1, 0 or a batch size)") from None
+            out.append(parse_threshold(part, f"--threshold {raw!r}"))
     return out
 
 

@@ -15,10 +15,9 @@ from rich.console import Console
 from rich.markup import escape
 from typer.core import TyperCommand
 
-from dynctl.agent import AgentClient
+from dynctl.agent import AgentClient, close_connections, open_agent
 from dynctl.config import Config, HostConfig, load_config
 from dynctl.errors import DynctlError, Interrupted, UsageError
-from dynctl.transport import Transport, close_all, connect
 
 console = Console(highlight=False)
 err_console = Console(stderr=True, highlight=False)
@@ -108,15 +107,13 @@ def _values_after(word: str, values_taken: dict[str, int]) -> int:
 class HostSession:
     config: Config
     host: HostConfig
-    transport: Transport
     agent: AgentClient
 
 
 def open_host(host_name: str | None, config_path: str | None) -> HostSession:
     config = load_config(config_path)
     host = config.host(host_name)
-    transport = connect(host, config)
-    return HostSession(config, host, transport, AgentClient(transport, host))
+    return HostSession(config, host, open_agent(host, config))
 
 
 DECLINED = 3  # SPEC §2: nothing on the host was changed (the operator's answer was the check that failed)
@@ -164,6 +161,6 @@ def handle_errors(fn: F) -> F:
             err_console.print(f"[bold red]error:[/] {escape(str(err))}", soft_wrap=True)
             raise typer.Exit(err.exit_code) from None
         finally:
-            close_all()
+            close_connections()
 
     return wrapper  # type: ignore[return-value]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import time
 
 import typer
@@ -31,7 +32,6 @@ from dynctl.cli.lifecycle import GraceOpt, ReadyTimeoutOpt
 from dynctl.cli.progress import EventPrinter
 from dynctl.cli.tables import print_table
 from dynctl.patching import parse_threshold
-from dynctl.transport import sh_join
 
 SoakOpt = seconds_option(core.DEFAULT_SOAK_S, "--soak", 0, core.MAX_SOAK_S,
                          "Seconds to keep watching the new server after it is ready; a crash in that time "
@@ -100,7 +100,7 @@ def _print_plan(host: str, plan: core.DeployPlan, as_json: bool) -> None:
     if plan.threshold_in_effect != plan.threshold:
         console.print(f"[bold]threshold:[/] {plan.threshold} requested, {plan.threshold_in_effect} in effect "
                       f"(sglang's CUDA-graph padding)")
-    console.print("[bold]launch argv:[/] " + escape(sh_join(sglang.redact_argv(plan.launch_argv))), soft_wrap=True)
+    console.print("[bold]launch argv:[/] " + escape(shlex.join(sglang.redact_argv(plan.launch_argv))), soft_wrap=True)
     if plan.operator:
         how = ("a deploy takes it over only with --adopt or at the takeover prompt" if plan.operator.get("adoptable")
                else f"it runs as {plan.operator.get('owner')}: dynctl never takes it over")

@@ -63,7 +63,7 @@ def list_ops(
     if fleet_cli.target(host, None, config):
         return fleet_cli.list_rollouts(host, limit, as_json)
     session = open_host(host, config)
-    ops = session.agent.call("op_list", limit=limit)["ops"]
+    ops = operations.recent(session.agent, limit)
     if as_json:
         console.print_json(json.dumps(sglang.redact(ops), default=str))
         return

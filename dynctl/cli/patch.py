@@ -62,7 +62,7 @@ def diff(host: str = HostOpt, config: str = ConfigOpt, as_json: bool = JsonOpt) 
     """The unified diff the patch would apply to the host's sglang (changes nothing)."""
     session = open_host(host, config)
     state = read_patch_state(session.agent)
-    if state.plan is not None and state.plan.status == "applied":
+    if state.applied:
         if as_json:
             _print_json({"status": "applied", "detail": state.detail, "diff": ""})
         else:
@@ -93,7 +93,7 @@ def apply(
     session = open_host(host, config)
     state = read_patch_state(session.agent)
     plan = plan_for_apply(state, session.host.name)
-    if plan.status == "applied":
+    if state.applied:
         if as_json:
             _print_json({"changed": False, "detail": plan.message, "release": state.current})
         else:

@@ -28,6 +28,11 @@ class PatchState:
     incomplete: list[str] = field(default_factory=list)
     files: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def applied(self) -> bool:
+        """The patch is in place, intact: applying it again changes nothing."""
+        return self.plan is not None and self.plan.status == "applied"
+
     def to_json(self) -> dict[str, Any]:
         return {
             "python": self.python, "sglang_version": self.version, "package_dir": self.package_dir,

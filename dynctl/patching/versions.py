@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import re
-
+from dynctl import hostspec
 from dynctl.config import STRATEGIES
 from dynctl.errors import PreflightError, UsageError
 from dynctl.patching.recipe import Release, releases
@@ -12,7 +11,7 @@ from dynctl.sglang import parse_version
 SUPPORTED = ("patch for sglang 0.5.6–0.5.12 and 0.5.14–0.5.18 (measured on a GPU: 0.5.6–0.5.12 and 0.5.14; "
              "the others only with strategy = \"patch\"), native adaptive config for sglang ≥ 0.5.14 "
              "(the default for releases without a measured patch variant)")
-MAX_THRESHOLD = 1_000_000
+MAX_THRESHOLD = hostspec.MAX_THRESHOLD
 
 _NATIVE_FROM = (0, 5, 14)
 
@@ -108,24 +107,7 @@ def strategy_note(version: str, strategy: str) -> str | None:
 
 
 def parse_threshold(value: object, where: str = "threshold") -> int:
-    """A threshold from the command line or a config: an integer from -1 to 1,000,000."""
-    if isinstance(value, bool):
-        raise UsageError(f"{where}: expected an integer, got {value!r}")
-    if isinstance(value, int):
-        number = value
-    else:
-        text = str(value).strip()
-        if not re.fullmatch(r"[+-]?\d+", text):
-            raise UsageError(
-                f"{where}: {value!r} is not an integer (use a whole number of requests, "
-                f"e.g. 32, or -1 to never disable speculation)"
-            )
-        number = int(text)
-    if number < -1:
-        raise UsageError(f"{where}: {number} is below -1 (-1 means never disable speculation)")
-    if number > MAX_THRESHOLD:
-        raise UsageError(
-            f"{where}: {number} is larger than {MAX_THRESHOLD:,} running requests; "
-            f"use -1 to never disable speculation"
-        )
-    return number
+    """A threshold from the command line, a dialog or a config: an integer from -1 to 1,000,000."""
+    if problem := hostspec.threshold_problem(value):
+        raise UsageError(f"{where}: {problem}")
+    return int(str(value).strip())

@@ -99,13 +99,6 @@ class StepCosts:
     def prefill_step_seconds(self, new_tokens: int) -> float:
         return new_tokens * self.prefill_per_token
 
-    def closed_loop_tok_s(self, concurrency: int, kind: str, prompt_tokens: float, new_tokens: int) -> float:
-        """Decode tokens per simulated second of `concurrency` streams that each ask for `new_tokens`
-        after a prompt of `prompt_tokens` (the first new token comes from the prefill)."""
-        per_step = concurrency * (self.accept_length if kind == SPECULATE else 1.0)
-        prefill_per_step = per_step / (new_tokens - 1) * self.prefill_step_seconds(prompt_tokens)
-        return per_step / (self.decode_step_seconds(concurrency, kind) + prefill_per_step)
-
 
 def parse_table(doc: dict[str, Any], where: str) -> StepCosts:
     try:

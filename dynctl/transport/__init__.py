@@ -5,10 +5,10 @@ from __future__ import annotations
 import threading
 
 from dynctl.config import Config, HostConfig, user_state_dir
-from dynctl.transport.base import Result, Stream, Transport, sh_join, write_file_atomic
+from dynctl.transport.base import Result, Stream, Transport, sh_join
 from dynctl.transport.local import Local
 
-__all__ = ["Result", "Stream", "Transport", "connect", "sh_join", "write_file_atomic", "close_all"]
+__all__ = ["Result", "Stream", "Transport", "connect", "sh_join", "close_all"]
 
 _pool: dict[tuple, Transport] = {}
 _pool_lock = threading.Lock()

@@ -1,4 +1,4 @@
-"""What every transport offers: run an argv there, stream an argv's output, write a file atomically."""
+"""What every transport offers: run an argv there, stream an argv's output."""
 
 from __future__ import annotations
 
@@ -6,14 +6,6 @@ import shlex
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
-
-# Writes stdin to $1 atomically: temp file in the same directory, chmod, rename. Constant script,
-# arguments positional, so no quoting is ever built by concatenation.
-ATOMIC_WRITE_SH = (
-    'set -e; d=$(dirname -- "$1"); mkdir -p -- "$d"; t="$d/.$(basename -- "$1").tmp.$$"; '
-    'trap \'rm -f -- "$t"\' EXIT; cat > "$t"; chmod "$2" "$t"; mv -f -- "$t" "$1"; trap - EXIT'
-)
-
 
 def sh_join(argv: Sequence[str]) -> str:
     """One POSIX-shell quoting layer: the string a remote login shell parses back into `argv`."""
@@ -58,8 +50,3 @@ class Transport(Protocol):
     def open_stream(self, argv: Sequence[str], stdin: bytes | None = None) -> Stream: ...
 
     def close(self) -> None: ...
-
-
-def write_file_atomic(transport: Transport, path: str, data: bytes, mode: int = 0o600, timeout: float = 60.0) -> Result:
-    """Write `data` to `path` on the far side: temp file next to it, then rename."""
-    return transport.run(["sh", "-c", ATOMIC_WRITE_SH, "sh", path, f"{mode:o}"], stdin=data, timeout=timeout)

@@ -109,9 +109,9 @@ class Pct:
         self.inner.close()
 
     def __getattr__(self, name: str) -> Any:
-        # Tunnels start on the Proxmox host: an address given to them is as seen from there (for a real
-        # container, its bridge IP; in tests the shim's container shares the host's loopback).
-        if name in ("open_channel", "forward_local", "connect", "connections_opened"):
+        # The SSH connection is the Proxmox host's: tunnels opened on it start there (an address given to
+        # them is as seen from there; in tests the shim's container shares the host's loopback).
+        if name in ("connect", "connections_opened"):
             return getattr(self.inner, name)
         raise AttributeError(name)
 

@@ -9,7 +9,6 @@ and channels capped below sshd's MaxSessions (default 10).
 from __future__ import annotations
 
 import contextlib
-import errno
 import select
 import threading
 import time
@@ -20,7 +19,6 @@ import paramiko
 from dynctl.config import SSHTarget
 from dynctl.errors import DynctlError, UnreachableError
 from dynctl.transport.base import Result, sh_join
-from dynctl.transport.forward import LocalForwarder
 from dynctl.transport.known_hosts import KnownHosts
 from dynctl.transport.ssh_login import Login, login_chain
 from dynctl.transport.ssh_route import Hop, resolve_route
@@ -205,33 +203,6 @@ class SSH:
     def _timed_out(self, argv: Sequence[str], timeout: float) -> None:
         raise UnreachableError(f"{self.description}: {argv[0]} did not finish within {timeout:g} s "
                                "(it may still be running there)")
-
-    # ---- tunnels
-
-    def open_channel(self, host: str, port: int, timeout: float | None = None) -> paramiko.Channel:
-        """A `direct-tcpip` channel to host:port as seen from the target (ConnectionRefusedError if closed)."""
-        transport = self.connect()
-        try:
-            return transport.open_channel("direct-tcpip", (host, port), ("127.0.0.1", 0),
-                                          timeout=timeout or self.connect_timeout)
-        except paramiko.ChannelException as err:
-            raise ConnectionRefusedError(errno.ECONNREFUSED, f"{self.description}: cannot reach {host}:{port} "
-                                         f"from there ({err.text})") from None
-        except (paramiko.SSHException, EOFError) as err:
-            self._forget(transport)
-            raise UnreachableError(f"{self.description}: tunnel to {host}:{port} failed: "
-                                   f"{err or type(err).__name__}") from None
-
-    @contextlib.contextmanager
-    def forward_local(self, remote_host: str, remote_port: int) -> Iterator[tuple[str, int]]:
-        """A 127.0.0.1 port on this machine whose connections reach remote_host:remote_port from the target."""
-        self.connect()
-        forwarder = LocalForwarder(lambda: self.open_channel(remote_host, remote_port),
-                                   name=f"{remote_host}:{remote_port}").start()
-        try:
-            yield forwarder.address
-        finally:
-            forwarder.close()
 
 
 class SSHStream:

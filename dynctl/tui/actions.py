@@ -14,7 +14,8 @@ from dynctl.events import EventSink
 
 
 class HostActions(Protocol):
-    def deploy(self, threshold: int, on_event: EventSink) -> Any: ...
+    def deploy(self, threshold: int, on_event: EventSink, confirm: Callable[[str], None]) -> Any:
+        """Plan, report the plan's warnings to on_event, then ask `confirm` (which raises to decline), then deploy."""
 
     def rollback(self, on_event: EventSink) -> Any: ...
 

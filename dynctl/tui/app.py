@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 from textual import work
@@ -41,8 +42,14 @@ from dynctl.tui.widgets import (
 )
 
 FeedFactory = Callable[[OnUpdate], Feed]
+ActionCall = Callable[[HostActions, EventSink, Callable[[str], None]], Any]  # (actions, on_event, confirm)
+
+
+class Declined(Exception):
+    """The operator answered no to an action's own question (asked after its plan): nothing was changed."""
+
 # Actions that change a host: hidden in read-only mode.
-CHANGING = {"deploy", "rollback", "threshold", "stop", "start", "restart", "bench"}
+CHANGING = {"deploy", "rollback", "threshold", "stop_server", "start_server", "restart_server", "bench"}
 
 
 class HostUpdated(Message):
@@ -72,15 +79,16 @@ class ActionFinished(Message):
 
 class Dashboard(Screen):
     BINDINGS = [
-        Binding("d", "deploy", "Deploy"),
-        Binding("r", "rollback", "Rollback"),
-        Binding("t", "threshold", "Threshold"),
-        Binding("s", "stop", "Stop"),
-        Binding("S", "start", "Start"),
-        Binding("R", "restart", "Restart"),
-        Binding("b", "bench", "Bench"),
-        Binding("h,tab", "next_host", "Host"),
-        Binding("shift+tab", "previous_host", "Previous host", show=False),
+        # the actions are the app's (they span hosts and screens); DynctlApp.check_action enables them
+        Binding("d", "app.deploy", "Deploy"),
+        Binding("r", "app.rollback", "Rollback"),
+        Binding("t", "app.threshold", "Threshold"),
+        Binding("s", "app.stop_server", "Stop"),
+        Binding("S", "app.start_server", "Start"),
+        Binding("R", "app.restart_server", "Restart"),
+        Binding("b", "app.bench", "Bench"),
+        Binding("h,tab", "app.switch_host(1)", "Host"),
+        Binding("shift+tab", "app.switch_host(-1)", "Previous host", show=False),
         Binding("l", "toggle_log", "Log/actions", show=False),
         Binding("L", "full_log", "Full log", show=False),
         Binding("question_mark", "help", "Help", show=False),
@@ -121,40 +129,6 @@ class Dashboard(Screen):
     def on_resize(self) -> None:
         self.set_class(self.size.height >= 40, "-tall")
         self.set_class(self.size.width >= 140, "-wide")
-
-    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        if action in CHANGING and self.read_only:
-            return False
-        if action in ("next_host", "previous_host") and len(self.hosts) < 2:
-            return False
-        return True
-
-    def action_deploy(self) -> None:
-        self.app.action_deploy()  # type: ignore[attr-defined]
-
-    def action_rollback(self) -> None:
-        self.app.action_rollback()  # type: ignore[attr-defined]
-
-    def action_threshold(self) -> None:
-        self.app.action_threshold()  # type: ignore[attr-defined]
-
-    def action_stop(self) -> None:
-        self.app.action_stop_server()  # type: ignore[attr-defined]
-
-    def action_start(self) -> None:
-        self.app.action_start_server()  # type: ignore[attr-defined]
-
-    def action_restart(self) -> None:
-        self.app.action_restart_server()  # type: ignore[attr-defined]
-
-    def action_bench(self) -> None:
-        self.app.action_bench()  # type: ignore[attr-defined]
-
-    def action_next_host(self) -> None:
-        self.app.action_switch_host(1)  # type: ignore[attr-defined]
-
-    def action_previous_host(self) -> None:
-        self.app.action_switch_host(-1)  # type: ignore[attr-defined]
 
     def show_tail(self, which: str) -> None:
         """"log" or "actions" in the bottom right; on a narrow screen the actions take the GPUs' place too."""
@@ -249,6 +223,13 @@ class DynctlApp(App[int]):
             if banner.display:
                 banner.refresh()
 
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action in CHANGING and self.read_only:
+            return False
+        if action == "switch_host" and len(self.hosts) < 2:
+            return False
+        return True
+
     def action_switch_host(self, step: int) -> None:
         i = self.hosts.index(self.current)
         self.current = self.hosts[(i + step) % len(self.hosts)]
@@ -298,7 +279,7 @@ class DynctlApp(App[int]):
             "Speculation is skipped while more requests than this run at once.\n"
             "The server is restarted with the new threshold; a failed health gate rolls back.",
             "Deploy",
-            lambda n: self.start_action(host, "deploy", lambda a, ev: a.deploy(n, ev), f"threshold {n}"),
+            lambda n: self.start_action(host, "deploy", lambda a, ev, ask: a.deploy(n, ev, ask), f"threshold {n}"),
         )
 
     def action_threshold(self) -> None:
@@ -307,51 +288,67 @@ class DynctlApp(App[int]):
             f"Live threshold on {host}",
             "Changes the running server's threshold without a restart, then reads it back.",
             "Apply",
-            lambda n: self.start_action(host, "threshold", lambda a, ev: a.set_threshold(n, ev), f"to {n}"),
+            lambda n: self.start_action(host, "threshold", lambda a, ev, ask: a.set_threshold(n, ev), f"to {n}"),
         )
 
     def action_rollback(self) -> None:
         host = self.current
         self._confirm(f"Roll back {host}?", "Restores the previous release and restarts the server.", "Roll back",
-                      lambda: self.start_action(host, "rollback", lambda a, ev: a.rollback(ev)))
+                      lambda: self.start_action(host, "rollback", lambda a, ev, ask: a.rollback(ev)))
 
     def action_stop_server(self) -> None:
         host = self.current
         self._confirm(f"Stop the server on {host}?", "In-flight requests drain first; then it is gone.", "Stop",
-                      lambda: self.start_action(host, "stop", lambda a, ev: a.stop(ev)))
+                      lambda: self.start_action(host, "stop", lambda a, ev, ask: a.stop(ev)))
 
     def action_start_server(self) -> None:
         host = self.current
         if not self._refuse_if_busy(host):
-            self.start_action(host, "start", lambda a, ev: a.start(ev))
+            self.start_action(host, "start", lambda a, ev, ask: a.start(ev))
 
     def action_restart_server(self) -> None:
         host = self.current
         self._confirm(f"Restart the server on {host}?", "It drains, stops, and starts with the same release.",
-                      "Restart", lambda: self.start_action(host, "restart", lambda a, ev: a.restart(ev)))
+                      "Restart", lambda: self.start_action(host, "restart", lambda a, ev, ask: a.restart(ev)))
 
     def action_bench(self) -> None:
         host = self.current
         self._confirm(f"Benchmark {host}?", "Sends a concurrency sweep of real requests to the server.", "Bench",
-                      lambda: self.start_action(host, "bench", lambda a, ev: a.bench(ev)))
+                      lambda: self.start_action(host, "bench", lambda a, ev, ask: a.bench(ev)))
 
-    def start_action(self, host: str, name: str, call: Callable[[HostActions, EventSink], Any], detail: str = "") -> None:
+    def start_action(self, host: str, name: str, call: ActionCall, detail: str = "") -> None:
         self.running[host] = name
         self.dashboard.show_tail("actions")
         self.dashboard.query_one(ActionLog).add(host, "info", f"▶ {name} {detail}".rstrip())
         self._run_action(host, name, call)
 
     @work(thread=True, exit_on_error=False, group="actions")
-    def _run_action(self, host: str, name: str, call: Callable[[HostActions, EventSink], Any]) -> None:
+    def _run_action(self, host: str, name: str, call: ActionCall) -> None:
         concluded = False
+        warnings: list[str] = []
 
         def on_event(event: Any) -> None:
             nonlocal concluded
             concluded = concluded or isinstance(event, (events.Finished, events.Unchanged))
+            if isinstance(event, events.Warning):
+                warnings.append(event.text)
             self.post_message(ActionProgress(host, name, event))
 
+        def confirm(question: str) -> None:
+            """The action's own question, once it has planned: asked from this worker, the plan's warnings in
+            the dialog, so the operator commits knowing them."""
+            detail = "\n".join(f"⚠ {text}" for text in warnings) or "The plan raised no warnings."
+            answer: Future[bool] = Future()
+            self.call_from_thread(self.push_screen, ConfirmModal(question, detail, name.capitalize()),
+                                  answer.set_result)
+            if not answer.result():
+                raise Declined(f"{name} cancelled on {host}: nothing was changed")
+
         try:
-            call(self.actions_for(host), on_event)
+            call(self.actions_for(host), on_event, confirm)
+        except Declined as declined:
+            self.post_message(ActionFinished(host, name, True, str(declined)))
+            return
         except Exception as err:  # the panel shows every failure; the app keeps running
             self.post_message(ActionFinished(host, name, False, f"{name} failed: {describe_error(err)}"))
             return

@@ -7,10 +7,19 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
-from textual.validation import Integer
+from textual.validation import ValidationResult, Validator
 from textual.widgets import Button, Input, Label, Static
 
-MAX_THRESHOLD = 100_000
+from dynctl import hostspec
+
+
+class ThresholdRule(Validator):
+    """The threshold rule every other entry point applies (hostspec.threshold_problem), as an Input validator."""
+
+    def validate(self, value: str) -> ValidationResult:
+        problem = hostspec.threshold_problem(value)
+        return self.failure(f"a whole number from {hostspec.MIN_THRESHOLD} to {hostspec.MAX_THRESHOLD:,} ({problem})",
+                            value) if problem else self.success()
 
 
 class ThresholdModal(ModalScreen[int | None]):
@@ -18,15 +27,12 @@ class ThresholdModal(ModalScreen[int | None]):
 
     BINDINGS = [Binding("escape", "cancel", "Cancel")]
 
-    def __init__(self, title: str, prompt: str, confirm_label: str, initial: int | None = None,
-                 minimum: int = 0, maximum: int = MAX_THRESHOLD) -> None:
+    def __init__(self, title: str, prompt: str, confirm_label: str, initial: int | None = None) -> None:
         super().__init__()
         self.title_text = title
         self.prompt = prompt
         self.confirm_label = confirm_label
         self.initial = initial
-        self.minimum = minimum
-        self.maximum = maximum
 
     def compose(self) -> ComposeResult:
         with Vertical(id="dialog"):
@@ -34,10 +40,9 @@ class ThresholdModal(ModalScreen[int | None]):
             yield Static(self.prompt, id="dialog-prompt")
             yield Input(
                 value="" if self.initial is None else str(self.initial),
-                placeholder=f"{self.minimum}–{self.maximum}",
+                placeholder=f"{hostspec.MIN_THRESHOLD}–{hostspec.MAX_THRESHOLD:,}",
                 type="integer",
-                validators=[Integer(minimum=self.minimum, maximum=self.maximum,
-                                    failure_description=f"a whole number from {self.minimum} to {self.maximum}")],
+                validators=[ThresholdRule()],
                 validate_on=["changed", "submitted"],
                 id="threshold-input",
             )

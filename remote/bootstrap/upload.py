@@ -3,8 +3,7 @@
 # while it matches its source), its MANIFEST written last, then renamed into workdir/agent/<hash> in one
 # step, so a concurrent upload or a dropped connection never leaves half an agent where the boot program
 # looks. A copy already there is kept while it is intact, else (and always with "repair") replaced. Copies
-# beyond the newest few (and an hour old) are pruned, as are the one-file agents of older dynctls: by the
-# exact names dynctl gives them, nothing else.
+# beyond the newest few (and an hour old) are pruned: by the exact names dynctl gives them, nothing else.
 #
 # Sent as checks.py + words.py + this file; argv: workdir, hash[, "repair"]. Exit 3: refused, nothing written.
 import compileall
@@ -107,12 +106,3 @@ for n in os.listdir(g):
     x = re.match(r"\.(?:tmp|old)-[0-9a-f]{16}-(\d+)\Z", n)
     if x and gone(x.group(1)):
         shutil.rmtree(os.path.join(g, n), ignore_errors=True)
-for n in os.listdir(w):
-    if re.match(r"agent-[0-9a-f]{16}\.py(?:c|\.tmp\.\d+)?\Z", n):
-        p = os.path.join(w, n)
-        try:
-            st = os.lstat(p)
-            if stat.S_ISREG(st.st_mode) and st.st_uid == U:
-                os.unlink(p)
-        except OSError:
-            pass

@@ -1,12 +1,7 @@
-"""`python -m dynctl_agent` answers one request from stdin; `--op REQUEST` runs an operation's worker."""
+"""`python -m dynctl_agent` answers one request from stdin."""
 
 import sys
 
-if len(sys.argv) == 3 and sys.argv[1] == "--op":
-    from dynctl_agent.operations import run_operation
-
-    sys.exit(run_operation(sys.argv[2]))
-
-from dynctl_agent.verbs import main  # noqa: E402
+from dynctl_agent.verbs import main
 
 sys.exit(main())

@@ -10,10 +10,8 @@ from dynctl_agent import lock, releases, servers
 from dynctl_agent.protocol import AgentError
 
 
-def server_adopt(ctx, adopt=None, **extra):
+def server_adopt(ctx, adopt=None):
     """Record the operator's server `adopt` ({"pid", "start"} as the operator was shown it) as the baseline."""
-    if extra:
-        raise AgentError("server_adopt: unknown parameter(s) %s" % ", ".join(sorted(extra)), "usage")
     with lock.host_lock(ctx, "adopt"):
         loc = servers.locate(ctx)
         server = loc["server"]

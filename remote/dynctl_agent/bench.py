@@ -58,7 +58,7 @@ def debug_checks(ctx, port, info):
     return {"checks": checks, "pid": pid, "environ_read": env is not None}
 
 
-def bench_probe(ctx, host="127.0.0.1", port=None, timeout=10.0, checks=True, **_):
+def bench_probe(ctx, host="127.0.0.1", port=None, timeout=10.0, checks=True):
     """Is the server answering, which model, which speculation, is the threshold live-switchable, and
     (unless checks is false) which slowing debug checks it runs with."""
     port = int(port or ctx.port)
@@ -101,7 +101,7 @@ def _cpu_s():
 
 def bench_level(ctx, concurrency, input_len, output_len, duration=None, num_prompts=None, warmup=None,
                 model=None, seed=0, host="127.0.0.1", port=None, tick_s=1.0, sample_s=0.5,
-                idle_timeout=300.0, max_level_s=None, **_):
+                idle_timeout=300.0, max_level_s=None):
     """Run one closed-loop level; yield a tick about every tick_s, then the raw level result."""
     port = int(port or ctx.port)
     for name, value in (("concurrency", concurrency), ("input_len", input_len), ("output_len", output_len)):

@@ -51,21 +51,8 @@ def _gate(ctx, oplog, argv, release, ready_timeout, launch=None):
     with oplog.step("start", " ".join(argv)):
         started = startup.start_server(ctx, argv, release=release, launch=launch)
         oplog.emit("info", text="server pid %s" % started.get("pid"))
-    with oplog.step("health", "waiting for /health_generate and one /generate"):
-        for item in startup.wait_ready(ctx, ready_timeout=ready_timeout):
-            if item.get("event") == "log":
-                for line in item["lines"]:
-                    oplog.log(line)
-            elif item.get("event") == "waiting":
-                oplog.emit("waiting", seconds=item.get("elapsed"), detail=item.get("detail"))
-            elif item.get("event") == "warning":
-                oplog.emit("warning", text=item.get("text"))
-            elif item.get("event") == "failed":
-                raise AgentError(item.get("message") or "the server did not become ready", "failed",
-                                 reason=item.get("reason"), log_tail=item.get("log_tail") or [])
-            elif item.get("event") == "ready":
-                return item
-    raise AgentError("the readiness check ended without a verdict", "failed")
+    with oplog.step("ready", "waiting for /health_generate and one /generate"):
+        return startup.await_ready(ctx, oplog, ready_timeout)
 
 
 def _verify(ctx, oplog, strategy, threshold, effective=None):
@@ -198,8 +185,7 @@ def _stop(ctx, grace, taking):
 
 
 def op_deploy(ctx, oplog, files, sglang_version, strategy, threshold, launch_argv, baseline_argv,
-              artifacts=None, grace=60, ready_timeout=900, soak=DEFAULT_SOAK_S, effective_threshold=None, adopt=None,
-              **_):
+              artifacts=None, grace=60, ready_timeout=900, soak=DEFAULT_SOAK_S, effective_threshold=None, adopt=None):
     grace, ready_timeout, soak = seconds("grace", grace), seconds("ready_timeout", ready_timeout), seconds("soak", soak)
     loc = servers.locate(ctx)
     taking = servers.preflight(ctx, loc, "deploy", adopt)
@@ -221,7 +207,7 @@ def op_deploy(ctx, oplog, files, sglang_version, strategy, threshold, launch_arg
         if taking is not None:  # what ran before is the operator's launch: a failed deploy restarts exactly that
             adopted = _take_over(ctx, oplog, taking)
             previous_argv = adopted["argv"]
-            previous_launch = {"env": adopted["env"], "cwd": adopted["cwd"], "adopted": adopted["pid"]}
+            previous_launch = releases.adopted_launch(adopted)
         with oplog.step("stop", "SIGTERM, drain up to %ss, then SIGKILL" % grace):
             stopped = _stop(ctx, grace, taking)
             oplog.emit("info", text=shutdown.summary(stopped))
@@ -316,8 +302,7 @@ def _roll_back_after_failure(ctx, oplog, release, previous_argv, old, grace, rea
     return "rolled back to %s, which is serving again" % current
 
 
-def op_rollback(ctx, oplog, baseline_argv, to=None, grace=60, ready_timeout=900, soak=DEFAULT_SOAK_S, adopt=None,
-                **_):
+def op_rollback(ctx, oplog, baseline_argv, to=None, grace=60, ready_timeout=900, soak=DEFAULT_SOAK_S, adopt=None):
     grace, ready_timeout, soak = seconds("grace", grace), seconds("ready_timeout", ready_timeout), seconds("soak", soak)
     releases.require_records(ctx)
     chosen = _rollback_target(ctx, to, releases.manifests(ctx))
@@ -356,7 +341,7 @@ def op_rollback(ctx, oplog, baseline_argv, to=None, grace=60, ready_timeout=900,
             done.append("adopted pid %d as the baseline" % taking["pid"])
             if not (manifest or {}).get("launch_argv"):
                 argv = adopted["argv"]
-                launch = {"env": adopted["env"], "cwd": adopted["cwd"], "adopted": adopted["pid"]}
+                launch = releases.adopted_launch(adopted)
         with oplog.step("stop", "SIGTERM, drain up to %ss, then SIGKILL" % grace):
             stopped = _stop(ctx, grace, taking)
             oplog.emit("info", text=shutdown.summary(stopped))
@@ -384,7 +369,7 @@ def op_rollback(ctx, oplog, baseline_argv, to=None, grace=60, ready_timeout=900,
             "pid": ready.get("pid"), "soak_s": soaked.get("soak_s")}
 
 
-def deploy_context(ctx, files=(), **_):
+def deploy_context(ctx, files=()):
     """Everything a deploy plan needs in one round trip: lock holder, patch files, server info (of our
     server only), and what is in the way that is not ours (the deploy itself will refuse it)."""
     loc = servers.locate(ctx)

@@ -40,19 +40,16 @@ def run_python(ctx, code, *args, timeout=60):
     return proc.returncode, proc.stdout, proc.stderr
 
 
-# Runs in the server's interpreter, which need not be the agent's: loads dynctl/sglang.py by its path
-# (compiled beside it at upload) and asks it where sglang is, without importing sglang.
-_FIND_SGLANG = (
-    "import importlib.util as u,json,sys\n"
-    "s=u.spec_from_file_location('dynctl_sglang',sys.argv[1]);m=u.module_from_spec(s);s.loader.exec_module(m)\n"
-    "print(json.dumps({'python':sys.executable,'python_version':'%d.%d.%d'%sys.version_info[:3],"
-    "'sglang':m.find_installed()}))\n"
-)
+def program(name):
+    """The text of a program of this package that runs with the server's interpreter (`python -c`): it is a
+    file here like every module, read when it is needed."""
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), name + ".py"), encoding="utf-8") as f:
+        return f.read()
 
 
 def find_sglang(ctx):
     """{"python", "python_version", "sglang": {"version", "package_dir"} or None} of the server's interpreter."""
-    rc, out, err = run_python(ctx, _FIND_SGLANG, sglang.__file__)
+    rc, out, err = run_python(ctx, program("find_sglang"), sglang.__file__)
     if rc != 0:
         raise AgentError("%s failed while looking for sglang: %s" % (ctx.python, err.strip()[-500:]), "preflight")
     return json.loads(out.strip().splitlines()[-1])
@@ -62,7 +59,7 @@ def nvidia_smi_path(ctx):
     return shutil.which("nvidia-smi", path=server_env(ctx).get("PATH"))
 
 
-def inspect_host(ctx, **_):
+def inspect_host(ctx):
     found = find_sglang(ctx)
     try:
         usage = shutil.disk_usage(ctx.workdir if os.path.isdir(ctx.workdir) else os.path.dirname(ctx.workdir) or "/")

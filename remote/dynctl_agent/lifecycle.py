@@ -1,4 +1,4 @@
-"""The server lifecycle verbs (find, stop, start, restart, wait until ready, logs) and the restart operation."""
+"""The server lifecycle verbs (find, stop, start, wait until ready, logs) and the restart operation."""
 
 from __future__ import annotations
 
@@ -6,24 +6,18 @@ import os
 import signal
 import time
 
+from dynctl import hostspec
 from dynctl_agent import lock, releases, servers, shutdown, startup
 from dynctl_agent.protocol import AgentError, seconds
 
 
-def _no_extra(name, extra):
-    if extra:
-        raise AgentError("%s: unknown parameter(s) %s" % (name, ", ".join(sorted(extra))), "usage")
-
-
-def server_find(ctx, **extra):
-    _no_extra("server_find", extra)
+def server_find(ctx):
     return servers.find(ctx)
 
 
-def server_stop(ctx, grace=60, port_timeout=30, gpu_timeout=60, pid=None, pid_start=None, adopt=None, **extra):
+def server_stop(ctx, grace=60, port_timeout=30, gpu_timeout=60, pid=None, pid_start=None, adopt=None):
     """Stop our server; the operator's server only when named (`pid`) or taken over (`adopt`, which first
     records its launch as the baseline release)."""
-    _no_extra("server_stop", extra)
     waits = seconds("grace", grace), seconds("port_timeout", port_timeout), seconds("gpu_timeout", gpu_timeout)
     # A stop, once begun, runs to its end (SIGTERM, grace, SIGKILL, sweep): a dropped channel or a Ctrl-C that
     # reaches this process does not cut it between its signals, and a full disk does not prevent it.
@@ -40,28 +34,21 @@ def server_stop(ctx, grace=60, port_timeout=30, gpu_timeout=60, pid=None, pid_st
 
 
 def _resolve_launch(ctx, argv, release, baseline_argv, adopting=None):
-    """(argv, release, how, launch) of a start: the caller's argv, else the one recorded with the release in
-    force (what deploy started, so a start after a stop keeps the threshold), else the baseline: the
-    adopted server's launch (`adopting`: one being adopted now), else the configured one."""
+    """(argv, release, how, launch) of a start: the caller's argv, else hostspec.plain_start's choice (the
+    release in force, the adopted launch, being adopted now when `adopting`, the configured one)."""
     if argv is not None:
         return argv, release, "the given launch argv", None
     releases.require_records(ctx)  # an unreadable record must not turn into "start the configured argv"
     in_force = releases.launch_in_force(ctx)
-    if in_force is not None and in_force["argv"]:
-        return in_force["argv"], in_force["release"], "the launch argv of release %s" % in_force["release"], None
-    why = ("release %s records none" % in_force["release"]) if in_force else "no release in force"
-    adopted = adopting or releases.adopted(ctx)
+    chosen, how, adopted = hostspec.plain_start(in_force, adopting or releases.adopted(ctx), baseline_argv)
     if adopted is not None:
-        launch = {"env": dict(adopted.get("env") or {}), "cwd": adopted.get("cwd"), "adopted": adopted.get("pid")}
-        how = "the adopted launch of pid %s, the baseline (%s)" % (adopted.get("pid"), why)
-        return list(adopted["argv"]), None, how, launch
-    if baseline_argv:
-        return list(baseline_argv), None, "the configured launch argv (%s)" % why, None
-    return None, release, None, None
+        return chosen, None, how, releases.adopted_launch(adopted)
+    if chosen is None:
+        return None, release, None, None
+    return chosen, in_force["release"] if in_force and in_force.get("argv") else None, how, None
 
 
-def server_start(ctx, argv=None, env=None, release=None, baseline_argv=None, **extra):
-    _no_extra("server_start", extra)
+def server_start(ctx, argv=None, env=None, release=None, baseline_argv=None):
     with lock.host_lock(ctx, "start"), lock.hangup_shield():
         argv, release, how, launch = _resolve_launch(ctx, argv, release, baseline_argv)
         if argv is None:
@@ -74,30 +61,26 @@ def server_start(ctx, argv=None, env=None, release=None, baseline_argv=None, **e
 def _raise_failed(items):
     """Stream items as the client expects them (ok: true each); a failure ends the stream as an error."""
     for item in items:
-        if item.get("event") == "failed":
-            extra = {k: v for k, v in item.items() if k not in ("message", "event")}
+        if item.get("type") == "failed":
+            extra = {k: v for k, v in item.items() if k not in ("message", "type")}
             raise AgentError(item["message"], "failed", **extra)
         item.setdefault("ok", True)
         yield item
 
 
-def server_wait_ready(ctx, ready_timeout=900, generate=True, **extra):
-    _no_extra("server_wait_ready", extra)
+def server_wait_ready(ctx, ready_timeout=900, generate=True):
     return _raise_failed(startup.wait_ready(ctx, seconds("ready_timeout", ready_timeout), bool(generate)))
 
 
-def server_restart(ctx, argv=None, env=None, release=None, grace=60, ready_timeout=900, baseline_argv=None,
-                   adopt=None, **extra):
-    """stop → start → wait_ready in one agent process, so a dropped connection cannot leave it between.
+def op_restart(ctx, oplog, argv=None, env=None, release=None, grace=60, ready_timeout=900, baseline_argv=None,
+               adopt=None):
+    """The restart operation, run by the worker: stop → start → ready, each a step of its records; stop and
+    start under one lock and one hangup shield, so nothing cuts the restart between them. Returns the ready
+    server (its pid) for the final record.
 
     adopt: the operator's word for taking over their server that runs on the port (servers.takeover): its
     launch becomes the baseline release, so with no release in force it is restarted as it was launched.
     """
-    _no_extra("server_restart", extra)
-    return _restart(ctx, argv, env, release, grace, ready_timeout, baseline_argv, adopt)
-
-
-def _restart(ctx, argv, env, release, grace, ready_timeout, baseline_argv, adopt=None, stopped_hook=None):
     grace, ready_timeout = seconds("grace", grace), seconds("ready_timeout", ready_timeout)
     with lock.host_lock(ctx, "restart"):
         with lock.hangup_shield():
@@ -113,36 +96,36 @@ def _restart(ctx, argv, env, release, grace, ready_timeout, baseline_argv, adopt
                                      "usage")
             if env is None and launch is None and rec.get("argv") == argv:
                 env = rec.get("env")
-            if adopting is not None:
-                releases.record_adopted(ctx, adopting)
-                stopped = shutdown.stop_server(ctx, grace, pid=taking["pid"], pid_start=taking["start"])
-            else:
-                stopped = shutdown.stop_server(ctx, grace)
-            if stopped_hook is not None:
-                stopped_hook()
-            try:
-                started = startup.start_server(ctx, argv, env, release, launch)
-            except Exception as err:  # a refusal, or a disk too full for the log: the server stays stopped
-                if isinstance(err, AgentError) and not ctx.changed:
-                    raise
-                why = err if isinstance(err, AgentError) else "%s: %s" % (type(err).__name__,
-                                                                         getattr(err, "strerror", None) or err)
-                raise AgentError("restart: %s, but the new server was not started: %s"
-                                 % (shutdown.summary(stopped), why), "failed",
-                                 **(err.extra if isinstance(err, AgentError) else {}))
-            started["launch"] = how
-        yield {"ok": True, "event": "stopped", "result": stopped}
-        yield {"ok": True, "event": "started", "result": started}
-        for item in _raise_failed(startup.wait_ready(ctx, ready_timeout)):
-            yield item
+            with oplog.step("stop", "SIGTERM, drain up to %gs, then SIGKILL" % grace) as done:
+                if adopting is not None:
+                    releases.record_adopted(ctx, adopting)
+                    stopped = shutdown.stop_server(ctx, grace, pid=taking["pid"], pid_start=taking["start"])
+                else:
+                    stopped = shutdown.stop_server(ctx, grace)
+                done["result"] = stopped
+            oplog.release_room()  # nothing to roll back to: once stopped, the start may use the room kept for undoing
+            with oplog.step("start", how) as done:
+                done["result"] = _start_after_stop(ctx, argv, env, release, launch, stopped)
+                done["result"]["launch"] = how
+    with oplog.step("ready", "/health_generate and one /generate, up to %gs" % ready_timeout) as done:
+        done["result"] = startup.await_ready(ctx, oplog, ready_timeout)
+    return done["result"]
 
 
-_RESTART_PARAMS = {"argv": None, "env": None, "release": None, "grace": 60, "ready_timeout": 900, "baseline_argv": None,
-                   "adopt": None}
+def _start_after_stop(ctx, argv, env, release, launch, stopped):
+    try:
+        return startup.start_server(ctx, argv, env, release, launch)
+    except Exception as err:  # a refusal, or a disk too full for the log: the server stays stopped
+        if isinstance(err, AgentError) and not ctx.changed:
+            raise
+        why = err if isinstance(err, AgentError) else "%s: %s" % (type(err).__name__,
+                                                                 getattr(err, "strerror", None) or err)
+        raise AgentError("restart: %s, but the new server was not started: %s"
+                         % (shutdown.summary(stopped), why), "failed",
+                         **(err.extra if isinstance(err, AgentError) else {}))
 
 
-def server_logs(ctx, lines=200, **extra):
-    _no_extra("server_logs", extra)
+def server_logs(ctx, lines=200):
     path = servers.log_path(ctx)
     offset = time.localtime().tm_gmtoff  # the zone the server stamps its lines in
     if path is None:
@@ -152,27 +135,5 @@ def server_logs(ctx, lines=200, **extra):
             "utc_offset": offset}
 
 
-def server_logs_follow(ctx, lines=20, max_seconds=None, **extra):
-    _no_extra("server_logs_follow", extra)
+def server_logs_follow(ctx, lines=20, max_seconds=None):
     return _raise_failed(startup.follow_server_log(ctx, int(lines), None if max_seconds is None else float(max_seconds)))
-
-
-def op_restart(ctx, oplog, **params):
-    """The restart verb's stop → start → ready, run by the worker: its items become the operation's events."""
-    _no_extra("restart", {k: v for k, v in params.items() if k not in _RESTART_PARAMS})
-    args = [params.get(k, d) for k, d in _RESTART_PARAMS.items()]
-    # a restart has nothing to roll back to: once stopped, its start may use the room kept for undoing
-    for item in _restart(ctx, *args, stopped_hook=oplog.release_room):
-        kind = item.get("event")
-        if kind == "ready":
-            return {k: v for k, v in item.items() if k not in ("ok", "event")}
-        if kind == "log":
-            for line in item.get("lines") or []:
-                oplog.log(line)
-        elif kind == "warning":
-            oplog.emit("warning", text=item.get("text"))
-        elif kind == "waiting":
-            oplog.emit("waiting", seconds=item.get("elapsed"), detail=item.get("detail"))
-        else:  # "stopped", "started" (named apart from the worker's own "started")
-            oplog.emit("server_" + kind, **{k: v for k, v in item.items() if k not in ("ok", "event")})
-    raise AgentError("the restart ended without a verdict", "failed")

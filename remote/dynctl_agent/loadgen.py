@@ -362,7 +362,7 @@ class Level:
     def tick(self):
         phase = "warmup" if self.w0 is None else "measure"
         latest = self.samples[-1] if self.samples else {}
-        return {"ok": True, "event": "tick", "phase": phase, "elapsed": round(self.now(), 3),
+        return {"ok": True, "type": "tick", "phase": phase, "elapsed": round(self.now(), 3),
                 "warmup_done": self.warm_done, "completed": len(self.records), "failed": self.failed,
                 "metrics": latest.get("text"), "window_elapsed": round(self.now() - self.w0, 3)
                 if self.w0 is not None else None}
@@ -370,7 +370,7 @@ class Level:
     def result(self, cpu_s):
         wall = self.now()
         return {
-            "ok": True, "event": "level", "concurrency": self.concurrency, "window": [self.w0, self.w1],
+            "ok": True, "type": "level", "concurrency": self.concurrency, "window": [self.w0, self.w1],
             "records": self.records, "failed": self.failed, "warmup": self.warmup,
             "warmup_failed": self.warmup_failed, "errors": self.errors, "samples": self.samples,
             "metrics_note": self.metrics_note, "timed_out": self.timed_out,

@@ -6,7 +6,6 @@ See oprecords for what an operation leaves in workdir/ops.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import sys
@@ -15,14 +14,12 @@ import time
 from dynctl_agent import lock, oprecords, procfs, releases, servers, store, verbs
 from dynctl_agent.protocol import LIMITS, AgentError, Context, outcome, seconds
 
-# The worker runs this package from where this agent runs it (the unpacked archive, not a file of its own),
-# with the interpreter that runs this agent.
+# The worker (worker.py) runs this package from where this agent runs it, with the interpreter that runs it.
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_WORKER = ("import sys\nsys.path.insert(0, sys.argv[1])\n"
-           "from dynctl_agent.operations import run_operation\nsys.exit(run_operation(sys.argv[2]))\n")
+_WORKER = os.path.join(_ROOT, "dynctl_agent", "worker.py")
 
 
-def op_start(ctx, kind, params=None, op_id=None, **_):
+def op_start(ctx, kind, params=None, op_id=None):
     """Claim op_id, take the host lock, start the detached worker, hand the lock to it, return the op id.
 
     The same op_id twice starts one worker: the second call answers already=True.
@@ -39,6 +36,7 @@ def op_start(ctx, kind, params=None, op_id=None, **_):
     existing = store.read_json(path)
     if existing is not None:
         return oprecords.already(existing, kind, op_id)
+    verbs.check_params(kind, verbs.load(verbs.OPS[kind]), params or {}, leading=2)  # before anything is claimed
     request = {"id": op_id, "kind": kind, "params": params or {}, "client": ctx.client, "received": store.now_iso(),
                "host": {"name": ctx.name, "workdir": ctx.workdir, "python": ctx.python, "port": ctx.port,
                         "env": ctx.env, "launch": ctx.launch, "args": ctx.args, "keep_history": ctx.keep}}
@@ -61,7 +59,7 @@ def op_start(ctx, kind, params=None, op_id=None, **_):
                                                        dead.get("started")))
                     store.write_json_atomic(path, request)
                 oprecords.prune(ctx, keep_id=op_id)
-                worker = spawn_detached([sys.executable, "-c", _WORKER, _ROOT, path],
+                worker = spawn_detached([sys.executable, _WORKER, _ROOT, path],
                                         oprecords.op_file(ctx, op_id, ".log"), ctx.workdir)
                 holder.update({"pid": worker, "pid_start": procfs.wait_start_time(worker), "op": op_id})
                 # From here the worker speaks for the operation; it adopts the lock itself if this write is lost.
@@ -111,14 +109,14 @@ def spawn_detached(argv, log_path, cwd):
     return pid
 
 
-def op_run(ctx, kind, params=None, op_id=None, from_line=0, **_):
+def op_run(ctx, kind, params=None, op_id=None, from_line=0):
     """op_start and op_follow in one round trip; sent again with the same op_id, it only follows."""
     started = op_start(ctx, kind, params, op_id)
     for item in op_follow(ctx, op_id=started["op_id"], from_line=from_line):
         yield item
 
 
-def op_current(ctx, **_):
+def op_current(ctx):
     """The live holder of the host lock (operation, who, pid, since), or None."""
     return {"holder": lock.live_holder(ctx)}
 
@@ -150,7 +148,7 @@ def _aftermath(ctx):
     return "release in force: %s; %s" % (current, server)
 
 
-def op_follow(ctx, op_id=None, from_line=0, **_):
+def op_follow(ctx, op_id=None, from_line=0):
     """Yield the events of an operation (id, "latest", or the running one when None) until its final event."""
     op_id = _resolve(ctx, op_id)
     path = oprecords.op_file(ctx, op_id, ".jsonl")
@@ -219,7 +217,7 @@ def op_follow(ctx, op_id=None, from_line=0, **_):
         time.sleep(0.1)
 
 
-def op_detach(ctx, op_id, kind=None, **_):
+def op_detach(ctx, op_id, kind=None):
     """The client stops following op_id (Ctrl-C): say what became of it. An id this host has not received yet
     is claimed as cancelled, so a request still on its way starts nothing."""
     oprecords.check_id(op_id)
@@ -238,7 +236,7 @@ def op_detach(ctx, op_id, kind=None, **_):
     return {"state": "running", "op_id": op_id, "holder": lock.live_holder(ctx)}
 
 
-def op_list(ctx, limit=20, **_):
+def op_list(ctx, limit=20):
     """The newest operations on this host: id, kind, who, when, and how each ended (or that it runs)."""
     running = (lock.live_holder(ctx) or {}).get("op")
     out = []
@@ -274,7 +272,7 @@ def _adopt_lock(ctx, request):
 
 
 def run_operation(request_path):
-    """Entry point of the detached worker (`python -m dynctl_agent --op REQUEST`)."""
+    """Entry point of the detached worker (worker.py)."""
     request = store.read_json(request_path)
     ctx = Context(request["host"], request.get("client"))
     oplog = oprecords.OpLog(ctx, request["id"], request["kind"])

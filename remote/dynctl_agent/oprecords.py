@@ -191,14 +191,17 @@ class OpLog:
         if type_ != "log":
             with contextlib.suppress(OSError, AgentError):
                 store.journal(self.ctx, "%s.%s" % (self.kind, type_), op=self.op_id,
-                              **{k: v for k, v in fields.items() if k != "lines"})
+                              **{k: v for k, v in fields.items() if k not in ("lines", "result")})
 
     @contextlib.contextmanager
     def step(self, name, detail=None):
+        """step_started, then step_done once the block ends well, with what the block put in the dict it is
+        given (a verb's answer as "result", for the client to describe the step by)."""
         self.emit("step_started", step=name, detail=detail)
         t0 = time.monotonic()
-        yield
-        self.emit("step_done", step=name, seconds=round(time.monotonic() - t0, 3))
+        done = {}
+        yield done
+        self.emit("step_done", step=name, seconds=round(time.monotonic() - t0, 3), **done)
 
     def log(self, line):
         self.emit("log", text=line)

@@ -12,7 +12,7 @@ import stat
 from dynctl_agent import hostinfo, lock, releases, sgltree, store
 from dynctl_agent.protocol import AgentError
 
-def patch_read(ctx, files=(), **_):
+def patch_read(ctx, files=()):
     """The sglang found on the host, the text and sha256 of `files`, RECORD hashes, and the releases."""
     found = sgltree.installed(ctx)
     package_dir = found["sglang"]["package_dir"]
@@ -54,8 +54,26 @@ def apply_release(ctx, files, sglang_version, strategy="patch", threshold=None, 
     import check → manifest (state applied) and `current`. A failure before the swap changes nothing
     and leaves no release directory; a failure after it restores every original first.
     """
+    package_dir = _preflight(ctx, sglang_version, artifacts)
+    entries = _entries(package_dir, files)
+    releases.journal(ctx, "patch.apply.begin", sglang_version=sglang_version, strategy=strategy, threshold=threshold,
+                     files=[e["path"] for e in entries])
+    apply = _Apply(ctx, package_dir, entries)
+    apply.write_candidates()
+    apply.compile_candidates()
+    manifest = apply.back_up(sglang_version, strategy, threshold, effective_threshold, launch_argv, artifacts)
+    apply.swap()
+    check = apply.import_check(strategy, import_check_timeout)
+    current = apply.record(manifest, check)
+    with contextlib.suppress(OSError):
+        releases.prune(ctx)
+    return {"release": apply.release_id, "release_dir": apply.release_dir, "current": current, "manifest": manifest,
+            "import_check": check, "pycache_dropped": apply.dropped}
+
+
+def _preflight(ctx, sglang_version, artifacts):
+    """The sglang package directory, once the host is as the plan saw it and no release was left half done."""
     found = sgltree.installed(ctx)
-    package_dir = found["sglang"]["package_dir"]
     if found["sglang"]["version"] != sglang_version:
         raise AgentError("sglang here is %s, but the plan was made for %s; plan again"
                          % (found["sglang"]["version"], sglang_version), "preflight")
@@ -68,8 +86,11 @@ def apply_release(ctx, files, sglang_version, strategy="patch", threshold=None, 
     for name in artifacts or {}:
         if not releases.ARTIFACT.match(name) or name in ("manifest.json", "orig"):
             raise AgentError("bad release artifact name %r" % (name,), "usage")
+    return found["sglang"]["package_dir"]
 
-    # -- preflight: every target as the plan saw it, none reached through a symlink
+
+def _entries(package_dir, files):
+    """The files to swap, each target as the plan saw it and none reached through a symlink."""
     entries = []
     for item in files:
         rel = item["path"]
@@ -87,162 +108,186 @@ def apply_release(ctx, files, sglang_version, strategy="patch", threshold=None, 
             raise AgentError("%s: the new text does not match its sha256_after" % rel, "usage")
         entries.append({"path": rel, "target": target, "data": data, "sha256_before": item["sha256_before"],
                         "sha256_after": item["sha256_after"]})
-    releases.journal(ctx, "patch.apply.begin", sglang_version=sglang_version, strategy=strategy, threshold=threshold,
-                files=[e["path"] for e in entries])
+    return entries
 
-    candidates = []
 
-    def drop_candidates():
-        for e in candidates:
+class _Apply:
+    """One apply's steps and what each left behind, so that a failure undoes exactly that: candidates
+    written (removed before the swap), originals swapped out (put back after it)."""
+
+    def __init__(self, ctx, package_dir, entries):
+        self.ctx, self.package_dir, self.entries = ctx, package_dir, entries
+        self.candidates = []  # written next to their targets and not swapped in yet
+        self.swapped = []
+        self.dropped = []  # stale __pycache__ files removed
+        self.release_id = self.release_dir = None
+
+    def drop_candidates(self):
+        for e in self.candidates:
             with contextlib.suppress(OSError):  # absent, or never created (a read-only folder)
                 os.unlink(e["candidate"])
 
-    # -- candidates next to their targets, same mode (and owner, when we may)
-    try:
-        for e in entries:
-            target = e["target"]
-            e["candidate"] = os.path.join(os.path.dirname(target),
-                                          ".%s.dynctl-new.%d" % (os.path.basename(target), os.getpid()))
-            st = os.stat(target) if e["sha256_before"] is not None else None
-            e["mode"], e["uid"], e["gid"] = ((stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid) if st
-                                             else (0o644, None, None))
-            candidates.append(e)  # before the write: a half-written candidate (a full disk) is ours to remove
-            store.write_bytes(e["candidate"], e["data"], e["mode"])
-            os.chmod(e["candidate"], e["mode"])  # not narrowed by the umask
-            if st is not None and os.geteuid() == 0:
-                os.chown(e["candidate"], st.st_uid, st.st_gid)
-    except OSError as err:
-        drop_candidates()
-        releases.journal(ctx, "patch.apply.refused", step="candidates", error=str(err))
-        raise AgentError("cannot write next to %s: %s; nothing was changed" % (e["target"], err.strerror or err),
-                         "preflight")
-    releases.journal(ctx, "patch.candidates.written", files=[e["path"] for e in entries])
+    def write_candidates(self):
+        """Each new text next to its target, with the target's mode (and owner, when we may)."""
+        try:
+            for e in self.entries:
+                target = e["target"]
+                e["candidate"] = os.path.join(os.path.dirname(target),
+                                              ".%s.dynctl-new.%d" % (os.path.basename(target), os.getpid()))
+                st = os.stat(target) if e["sha256_before"] is not None else None
+                e["mode"], e["uid"], e["gid"] = ((stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid) if st
+                                                 else (0o644, None, None))
+                self.candidates.append(e)  # before the write: a half-written candidate (a full disk) is ours to remove
+                store.write_bytes(e["candidate"], e["data"], e["mode"])
+                os.chmod(e["candidate"], e["mode"])  # not narrowed by the umask
+                if st is not None and os.geteuid() == 0:
+                    os.chown(e["candidate"], st.st_uid, st.st_gid)
+        except OSError as err:
+            self.drop_candidates()
+            releases.journal(self.ctx, "patch.apply.refused", step="candidates", error=str(err))
+            raise AgentError("cannot write next to %s: %s; nothing was changed" % (e["target"], err.strerror or err),
+                             "preflight")
+        releases.journal(self.ctx, "patch.candidates.written", files=[e["path"] for e in self.entries])
 
-    # -- compile with the server's interpreter
-    if entries:
-        rc, out, err = hostinfo.run_python(ctx, sgltree.COMPILE, json.dumps([[e["candidate"], e["target"]] for e in entries]),
-                                  timeout=120)
+    def compile_candidates(self):
+        """py_compile every candidate with the server's interpreter; the first error is refused, named."""
+        if not self.entries:
+            return
+        ctx = self.ctx
+        rc, out, err = hostinfo.run_python(ctx, hostinfo.program("compile_candidates"),
+                                           json.dumps([[e["candidate"], e["target"]] for e in self.entries]),
+                                           timeout=120)
         if rc != 0:
-            drop_candidates()
+            self.drop_candidates()
             raise AgentError("py_compile with %s failed: %s; nothing was changed" % (ctx.python, err.strip()[-500:]),
                              "preflight")
         bad = [r for r in json.loads(out.strip().splitlines()[-1]) if not r["ok"]]
         if bad:
-            drop_candidates()
+            self.drop_candidates()
             first = bad[0]
             releases.journal(ctx, "patch.apply.refused", step="py_compile", errors=bad)
             raise AgentError("candidate for %s does not compile with %s: line %s: %s: %s%s; nothing was changed"
                              % (first["target"], ctx.python, first["lineno"], first["type"], first["msg"],
                                 " (%s)" % first["line"] if first["line"] else ""), "preflight", compile_errors=bad)
-        releases.journal(ctx, "patch.candidates.compiled", files=[e["path"] for e in entries])
+        releases.journal(ctx, "patch.candidates.compiled", files=[e["path"] for e in self.entries])
 
-    # -- back up the originals into a new release directory, then the manifest
-    seq, release_id = releases.next_id(ctx)
-    release_dir = os.path.join(releases.root(ctx), release_id)
-    manifest = {
-        "id": release_id, "seq": seq, "created": store.now_iso(), "who": ctx.who, "client": ctx.client.get("hostname"),
-        "sglang_version": sglang_version, "package_dir": package_dir, "python": ctx.python, "strategy": strategy,
-        "threshold": threshold,
-        # what the server enforces when that differs from the threshold asked for (native: CUDA-graph padding)
-        "effective_threshold": threshold if effective_threshold is None else effective_threshold,
-        "launch_argv": None if launch_argv is None else [str(a).replace("{release_dir}", release_dir)
-                                                          for a in launch_argv],
-        "files": [{"path": e["path"], "sha256_before": e["sha256_before"], "sha256_after": e["sha256_after"],
-                   "mode": e["mode"], "uid": e["uid"], "gid": e["gid"]} for e in entries],
-        "artifacts": sorted(artifacts or {}), "import_check": None, "state": "applying",
-    }
-    try:
-        os.makedirs(release_dir, mode=0o700)
-        for e in entries:
-            if e["sha256_before"] is None:
-                continue
-            backup = os.path.join(release_dir, "orig", *e["path"].split("/"))
-            os.makedirs(os.path.dirname(backup), mode=0o700, exist_ok=True)
-            with open(e["target"], "rb") as f:
-                original = f.read()
-            if hashlib.sha256(original).hexdigest() != e["sha256_before"]:
-                raise AgentError("%s changed during the backup; nothing was changed" % e["target"], "preflight")
-            store.write_bytes(backup, original, 0o600)
-            if store.sha256_file(backup) != e["sha256_before"]:
-                raise AgentError("backup of %s does not read back intact; nothing was changed" % e["target"],
-                                 "preflight")
-        for name, text in (artifacts or {}).items():
-            store.write_bytes(os.path.join(release_dir, name), text.encode("utf-8"), 0o600)
-        store.write_json_atomic(os.path.join(release_dir, "manifest.json"), manifest)
-    except (OSError, AgentError) as err:
-        drop_candidates()
-        shutil.rmtree(release_dir, ignore_errors=True)
-        releases.journal(ctx, "patch.apply.failed", step="backup", release=release_id, error=str(err))
-        if isinstance(err, AgentError):
-            raise
-        raise AgentError("cannot back up the originals into %s on %s: %s; nothing was swapped and no release was "
-                         "kept: nothing was changed" % (release_dir, ctx.name, err.strerror or err), "preflight")
-    releases.journal(ctx, "patch.backup.done", release=release_id, dir=release_dir)
+    def back_up(self, sglang_version, strategy, threshold, effective_threshold, launch_argv, artifacts):
+        """The originals and artifacts into a new release directory, then its manifest (state applying)."""
+        ctx = self.ctx
+        seq, self.release_id = releases.next_id(ctx)
+        release_dir = self.release_dir = os.path.join(releases.root(ctx), self.release_id)
+        manifest = {
+            "id": self.release_id, "seq": seq, "created": store.now_iso(), "who": ctx.who,
+            "client": ctx.client.get("hostname"), "sglang_version": sglang_version, "package_dir": self.package_dir,
+            "python": ctx.python, "strategy": strategy, "threshold": threshold,
+            # what the server enforces when that differs from the threshold asked for (native: CUDA-graph padding)
+            "effective_threshold": threshold if effective_threshold is None else effective_threshold,
+            "launch_argv": None if launch_argv is None else [str(a).replace("{release_dir}", release_dir)
+                                                              for a in launch_argv],
+            "files": [{"path": e["path"], "sha256_before": e["sha256_before"], "sha256_after": e["sha256_after"],
+                       "mode": e["mode"], "uid": e["uid"], "gid": e["gid"]} for e in self.entries],
+            "artifacts": sorted(artifacts or {}), "import_check": None, "state": "applying",
+        }
+        try:
+            os.makedirs(release_dir, mode=0o700)
+            for e in self.entries:
+                if e["sha256_before"] is not None:
+                    self._back_up_one(e)
+            for name, text in (artifacts or {}).items():
+                store.write_bytes(os.path.join(release_dir, name), text.encode("utf-8"), 0o600)
+            store.write_json_atomic(os.path.join(release_dir, "manifest.json"), manifest)
+        except (OSError, AgentError) as err:
+            self.drop_candidates()
+            shutil.rmtree(release_dir, ignore_errors=True)
+            releases.journal(ctx, "patch.apply.failed", step="backup", release=self.release_id, error=str(err))
+            if isinstance(err, AgentError):
+                raise
+            raise AgentError("cannot back up the originals into %s on %s: %s; nothing was swapped and no release "
+                             "was kept: nothing was changed" % (release_dir, ctx.name, err.strerror or err),
+                             "preflight")
+        releases.journal(ctx, "patch.backup.done", release=self.release_id, dir=release_dir)
+        return manifest
 
-    # -- swap; from here on a failure puts every original back
-    swapped = []
+    def _back_up_one(self, e):
+        backup = os.path.join(self.release_dir, "orig", *e["path"].split("/"))
+        os.makedirs(os.path.dirname(backup), mode=0o700, exist_ok=True)
+        with open(e["target"], "rb") as f:
+            original = f.read()
+        if hashlib.sha256(original).hexdigest() != e["sha256_before"]:
+            raise AgentError("%s changed during the backup; nothing was changed" % e["target"], "preflight")
+        store.write_bytes(backup, original, 0o600)
+        if store.sha256_file(backup) != e["sha256_before"]:
+            raise AgentError("backup of %s does not read back intact; nothing was changed" % e["target"],
+                             "preflight")
 
-    def roll_back(reason):
+    def roll_back(self, reason):
+        """Put every swapped original back, then raise: "failed", with what could not be restored, if any."""
         problems = []
         try:
-            staged = sgltree.stage_originals(release_dir, list(reversed(swapped)), package_dir)
+            staged = sgltree.stage_originals(self.release_dir, list(reversed(self.swapped)), self.package_dir)
         except (OSError, AgentError) as err:
             staged = []
             problems.append("staging the originals: %s" % (getattr(err, "strerror", None) or err))
         for e, tmp in staged:
             try:
-                sgltree.put_back(e, tmp, package_dir)
+                sgltree.put_back(e, tmp, self.package_dir)
             except (OSError, AgentError) as err:
                 problems.append("%s: %s" % (e["target"], err))
                 sgltree.discard_staged([(e, tmp)])
-        drop_candidates()
+        self.drop_candidates()
         if not problems:
-            shutil.rmtree(release_dir, ignore_errors=True)
-        releases.journal(ctx, "patch.apply.rolled_back", release=release_id, reason=reason, problems=problems)
+            shutil.rmtree(self.release_dir, ignore_errors=True)
+        releases.journal(self.ctx, "patch.apply.rolled_back", release=self.release_id, reason=reason,
+                         problems=problems)
         if problems:
             raise AgentError("%s; rolling back FAILED for %s (backups kept in %s)"
-                             % (reason, "; ".join(problems), release_dir), "failed")
-        ctx.changed = False
+                             % (reason, "; ".join(problems), self.release_dir), "failed")
+        self.ctx.changed = False
         raise AgentError("%s; every original was restored" % reason, "failed")
 
-    dropped = []
-    try:
-        for e in entries:
-            os.replace(e["candidate"], e["target"])
-            swapped.append(e)
-            candidates.remove(e)
-            releases.journal(ctx, "patch.swap.file", release=release_id, path=e["path"], sha256=e["sha256_after"])
-            ctx.changed = True
-            dropped += sgltree.drop_pycache(e["target"])
-    except Exception as err:  # whatever broke the swap, every original goes back
-        roll_back("swapping %s failed: %s" % (e["target"], getattr(err, "strerror", None) or err))
-    if dropped:
-        releases.journal(ctx, "patch.pycache.dropped", release=release_id, files=dropped)
-
-    check = None
-    if entries and strategy == "patch":
+    def swap(self):
+        """os.replace each candidate over its target; from the first one on, a failure puts every original back."""
         try:
-            check = sgltree.import_check(ctx, {os.path.realpath(e["target"]) for e in swapped}, import_check_timeout)
-        except Exception as err:  # the check itself broke: what it would have found is unknown, so undo the swap
-            roll_back("the import check could not run: %s: %s" % (type(err).__name__, err))
-        releases.journal(ctx, "patch.import_check", release=release_id, **check)
-        if check["ran"] and not check["ok"]:
-            roll_back("the patched sglang does not start: %s" % check["detail"])
+            for e in self.entries:
+                os.replace(e["candidate"], e["target"])
+                self.swapped.append(e)
+                self.candidates.remove(e)
+                releases.journal(self.ctx, "patch.swap.file", release=self.release_id, path=e["path"],
+                                 sha256=e["sha256_after"])
+                self.ctx.changed = True
+                self.dropped += sgltree.drop_pycache(e["target"])
+        except Exception as err:  # whatever broke the swap, every original goes back
+            self.roll_back("swapping %s failed: %s" % (e["target"], getattr(err, "strerror", None) or err))
+        if self.dropped:
+            releases.journal(self.ctx, "patch.pycache.dropped", release=self.release_id, files=self.dropped)
 
-    manifest["import_check"] = check
-    manifest["state"] = "applied"
-    manifest["applied"] = store.now_iso()
-    try:
-        store.write_json_atomic(os.path.join(release_dir, "manifest.json"), manifest)
-        current = releases.update_current(ctx)
-    except Exception as err:
-        roll_back("cannot record release %s: %s" % (release_id, getattr(err, "strerror", None) or err))
-    ctx.changed = True
-    releases.journal(ctx, "patch.apply.done", release=release_id, files=len(entries), current=current)
-    with contextlib.suppress(OSError):
-        releases.prune(ctx)
-    return {"release": release_id, "release_dir": release_dir, "current": current, "manifest": manifest,
-            "import_check": check, "pycache_dropped": dropped}
+    def import_check(self, strategy, timeout):
+        """Where sglang imports, the patched tree must start (`launch_server --help` with the flag); else undo."""
+        if not self.entries or strategy != "patch":
+            return None
+        try:
+            check = sgltree.import_check(self.ctx, {os.path.realpath(e["target"]) for e in self.swapped}, timeout)
+        except Exception as err:  # the check itself broke: what it would have found is unknown, so undo the swap
+            self.roll_back("the import check could not run: %s: %s" % (type(err).__name__, err))
+        releases.journal(self.ctx, "patch.import_check", release=self.release_id, **check)
+        if check["ran"] and not check["ok"]:
+            self.roll_back("the patched sglang does not start: %s" % check["detail"])
+        return check
+
+    def record(self, manifest, check):
+        """The manifest as applied and the release in force; `current` as it is now."""
+        manifest["import_check"] = check
+        manifest["state"] = "applied"
+        manifest["applied"] = store.now_iso()
+        try:
+            store.write_json_atomic(os.path.join(self.release_dir, "manifest.json"), manifest)
+            current = releases.update_current(self.ctx)
+        except Exception as err:
+            self.roll_back("cannot record release %s: %s" % (self.release_id, getattr(err, "strerror", None) or err))
+        self.ctx.changed = True
+        releases.journal(self.ctx, "patch.apply.done", release=self.release_id, files=len(self.entries),
+                         current=current)
+        return current
 
 
 def revert_release(ctx, release=None):
@@ -329,13 +374,13 @@ def revert_release(ctx, release=None):
 
 
 def patch_apply(ctx, files, sglang_version, strategy="patch", threshold=None, launch_argv=None, artifacts=None,
-                import_check_timeout=300.0, **_):
+                import_check_timeout=300.0):
     with lock.host_lock(ctx, "patch apply"), lock.hangup_shield():
         return apply_release(ctx, files, sglang_version, strategy, threshold, launch_argv, artifacts,
                              float(import_check_timeout))
 
 
-def patch_revert(ctx, release=None, all=False, **_):
+def patch_revert(ctx, release=None, all=False):
     """Revert the release in force (or `release`); all=True reverts every applied release, newest first."""
     with lock.host_lock(ctx, "patch revert"), lock.hangup_shield():
         releases.require_records(ctx)

@@ -15,6 +15,8 @@ import socket
 import stat
 import sys
 
+from dynctl import hostspec
+
 PROTOCOL = 1
 
 
@@ -40,14 +42,15 @@ class Context:
     """What the client told us about the host, with paths expanded here."""
 
     def __init__(self, host, client):
-        self.workdir = os.path.abspath(os.path.expanduser(host.get("workdir") or "~/.dynctl"))
+        self.workdir = os.path.abspath(os.path.expanduser(host.get("workdir") or hostspec.DEFAULT_WORKDIR))
         self.python = host.get("python") or sys.executable
-        self.port = int(host.get("port") or 30000)
+        self.port = _checked("port", host.get("port"), hostspec.DEFAULT_PORT, hostspec.port_problem)
         self.env = dict(host.get("env") or {})
         self.launch = list(host.get("launch") or [])
         self.args = list(host.get("args") or [])
         self.name = host.get("name") or socket.gethostname()
-        self.keep = keep_history(host.get("keep_history"))
+        self.keep = _checked("keep_history", host.get("keep_history"), hostspec.DEFAULT_KEEP_HISTORY,
+                             hostspec.keep_history_problem)
         self.client = client or {}
         self.changed = False
 
@@ -134,14 +137,13 @@ def seconds(name, value):
     return number
 
 
-KEEP_HISTORY = 20  # finished releases and operation records kept in workdir (the config's keep_history)
-
-
-def keep_history(value):
+def _checked(name, value, default, problem_of):
+    """A host setting of the request, its default when absent, refused (usage) by the rule the config uses."""
     if value is None:
-        return KEEP_HISTORY
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise AgentError("keep_history must be an integer >= 1, got %r" % (value,), "usage")
+        return default
+    problem = problem_of(value)
+    if problem:
+        raise AgentError("host %s: %s; nothing was changed" % (name, problem), "usage")
     return value
 
 
@@ -155,6 +157,7 @@ def workdir_problem(workdir):
             return "preflight", "workdir %r: there is no user %r on this host; nothing was changed" % (workdir, user)
         return "preflight", "workdir %r: the home directory of %s is unknown here; nothing was changed" % (
             workdir, _who(os.geteuid()))
-    if not workdir or not os.path.isabs(os.path.expanduser(workdir)):
-        return "usage", "workdir %r is relative: use an absolute path, or ~/... for the remote home" % (workdir,)
+    problem = hostspec.workdir_problem(workdir)
+    if problem:
+        return "usage", "workdir %s; nothing was changed" % problem
     return None

@@ -32,8 +32,8 @@ import os
 import re
 import shutil
 
-from dynctl import sglang
-from dynctl_agent import servers, store
+from dynctl import hostspec, sglang
+from dynctl_agent import store
 from dynctl_agent.protocol import AgentError
 
 BASELINE = "baseline"  # no release: the sglang tree as installed
@@ -125,7 +125,7 @@ def prune(ctx):
     always stay. Directories a killed apply left without a manifest never held a swap and go too."""
     folder = root(ctx)
     known = manifests(ctx)  # newest first
-    protected = {current(ctx), (servers.read_pidfile(ctx) or {}).get("release")}
+    protected = {current(ctx), (store.read_pidfile(ctx) or {}).get("release")}
     doomed = [m["id"] for m in known[ctx.keep:] if m.get("state") == "reverted" and m["id"] not in protected]
     with contextlib.suppress(OSError):
         listed = {m["id"] for m in known}
@@ -181,7 +181,7 @@ def in_force(ctx):
     return manifest
 
 
-def list_releases(ctx, **_):
+def list_releases(ctx):
     """Release manifests, newest first, and the id in force."""
     return {"current": current(ctx), "releases": manifests(ctx)}
 
@@ -215,7 +215,7 @@ def adopted_summary(ctx):
 
 
 def record_adopted(ctx, launch):
-    """Make `launch` (servers.adoption) the baseline release: written 0600, journalled without env values."""
+    """Make `launch` (an adoption record) the baseline release: written 0600, journalled without env values."""
     ctx.ensure_workdir()
     store.write_json_atomic(ctx.path(ADOPTED), launch)
     ctx.changed = True
@@ -229,13 +229,19 @@ def adopted_launch_for(ctx, argv):
     rec = adopted(ctx)
     if rec is None or not sglang.same_launch(argv, rec["argv"]):
         return None
-    return {"env": dict(rec.get("env") or {}), "cwd": rec.get("cwd"), "adopted": rec.get("pid")}
+    return adopted_launch(rec)
 
 
 def baseline_launch(ctx, baseline_argv):
     """(argv, launch) of the baseline: the adopted server's argv with its environment and cwd, else the
-    configured argv (launch None: the configured environment, the home directory)."""
-    rec = adopted(ctx)
-    if rec is not None:
-        return list(rec["argv"]), {"env": dict(rec.get("env") or {}), "cwd": rec.get("cwd"), "adopted": rec.get("pid")}
-    return (list(baseline_argv) if baseline_argv else None), None
+    configured argv (launch None: the configured environment, the home directory); hostspec.plain_start's
+    rule without a release in force."""
+    argv, _, chosen = hostspec.plain_start(None, adopted(ctx), baseline_argv)
+    return argv, adopted_launch(chosen)
+
+
+def adopted_launch(rec):
+    """The environment, cwd and pid an adopted server's launch runs with (startup.start_server), or None."""
+    if rec is None:
+        return None
+    return {"env": dict(rec.get("env") or {}), "cwd": rec.get("cwd"), "adopted": rec.get("pid")}

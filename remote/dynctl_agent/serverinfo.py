@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from dynctl import sglang
+from dynctl import hostspec, sglang
 from dynctl_agent import httpclient, lock, releases, servers, store
 from dynctl_agent.protocol import AgentError
 
@@ -46,19 +46,21 @@ def adaptive_threshold(info):
     return cut, None
 
 
-def server_info_verb(ctx, **_):
+def server_info_verb(ctx):
     return {"info": server_info(ctx), "state": store.read_json(ctx.path(STATE_FILE)) or {},
             "current": releases.current(ctx)}
 
 
-def set_threshold(ctx, threshold, host="127.0.0.1", port=None, timeout=10.0, **_):
+def set_threshold(ctx, threshold, host="127.0.0.1", port=None, timeout=10.0):
     """Set the speculation threshold live, then read back what every scheduler has in force.
 
     Under the host lock: a change during another operation (a deploy's soak, say) would make that
     operation report a threshold that is no longer the one in force.
     """
-    if not isinstance(threshold, int) or isinstance(threshold, bool) or threshold < -1:
-        raise AgentError("threshold must be an integer >= -1, got %r" % (threshold,), "usage")
+    problem = hostspec.threshold_problem(threshold) if isinstance(threshold, int) else (
+        "expected an integer, got %r" % (threshold,))
+    if problem:
+        raise AgentError("threshold: %s; nothing was changed" % problem, "usage")
     with lock.host_lock(ctx, "threshold %d" % threshold):
         return _set_threshold(ctx, threshold, host, port, timeout)
 

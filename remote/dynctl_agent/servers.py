@@ -11,11 +11,11 @@ from __future__ import annotations
 import getpass
 import os
 
-from dynctl import sglang
+from dynctl import hostspec, sglang
 from dynctl_agent import httpclient, launchconfig, procfs, releases, store
 from dynctl_agent.protocol import AgentError
 
-PIDFILE = "server.json"
+PIDFILE = store.PIDFILE
 LOG = "server.log"
 MARKER_ENV = "DYNCTL_SERVER_ID"
 
@@ -150,8 +150,7 @@ def tree_of(table, pid, start, leads_session, marker):
     return tree
 
 
-def read_pidfile(ctx):
-    return store.read_json(ctx.path(PIDFILE)) if os.path.isdir(ctx.workdir) else None
+read_pidfile = store.read_pidfile
 
 
 def api_keys(ctx):
@@ -316,11 +315,8 @@ ADOPT_HINT = ("to take it over (its argv, environment and cwd become the baselin
 
 def would_run(ctx):
     """The argv a start would run with no argv given: the release in force's, else the configured one."""
-    in_force = releases.launch_in_force(ctx)
-    if in_force is not None and in_force["argv"]:
-        return list(in_force["argv"])
-    launch = list(ctx.launch or [ctx.python, "-m", sglang.LAUNCH_MODULE])
-    return launch + list(ctx.args) + ["--port", str(ctx.port), "--enable-metrics"]
+    configured = hostspec.configured_argv(ctx.launch or [ctx.python, "-m", sglang.LAUNCH_MODULE], ctx.args, ctx.port)
+    return hostspec.plain_start(releases.launch_in_force(ctx), None, configured)[0]
 
 
 def argv_diff(running, wanted):

@@ -13,28 +13,6 @@ from dynctl import sglang
 from dynctl_agent import hostinfo, store
 from dynctl_agent.protocol import AgentError
 
-# py_compile each candidate (the server's interpreter decides what compiles); results name the target
-COMPILE = r"""
-import json, os, py_compile, sys, tempfile
-out = []
-for cand, target in json.loads(sys.argv[1]):
-    fd, cfile = tempfile.mkstemp(suffix=".pyc")
-    os.close(fd)
-    try:
-        # the candidate's own name: CPython re-reads the error's source line from that file
-        py_compile.compile(cand, cfile=cfile, doraise=True)
-        out.append({"target": target, "ok": True})
-    except py_compile.PyCompileError as e:
-        v = e.exc_value
-        out.append({"target": target, "ok": False, "type": e.exc_type_name,
-                    "msg": getattr(v, "msg", None) or str(v), "lineno": getattr(v, "lineno", None),
-                    "line": ((getattr(v, "text", None) or "").strip().splitlines() or [""])[0][:160]})
-    finally:
-        os.unlink(cfile)
-print(json.dumps(out))
-"""
-
-
 def target_path(package_dir, rel):
     """Absolute path of `rel` inside the sglang package; refuses paths that leave it."""
     if not isinstance(rel, str) or not rel or rel.startswith("/") or ".." in rel.split("/"):

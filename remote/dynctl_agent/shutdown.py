@@ -90,23 +90,7 @@ def stop_server(ctx, grace=60.0, port_timeout=30.0, gpu_timeout=60.0, pid=None, 
             leftovers = {}
             loc["foreign"] = [p for p in loc["foreign"] if p not in loc["tree"]]
     if server is None and not leftovers:
-        rec = loc["record"]
-        if rec and not rec.get("stopped"):
-            rec["stopped"] = store.now_iso()
-            with contextlib.suppress(OSError):  # a record: a full disk must not make a stop fail
-                servers.write_pidfile(ctx, rec)
-        not_ours = servers.not_ours(ctx, loc)
-        msg = "server already stopped"
-        if not_ours and not_ours["kind"] == "operator":
-            msg = ("stop refused: no server started by dynctl runs, and %s; nothing was changed and nothing was "
-                   "killed -- %s" % (not_ours["text"], not_ours["hint"]))
-        elif not_ours:
-            msg += "; %s: left alone -- %s" % (not_ours["text"], not_ours["hint"])
-        store.journal(ctx, "stop.noop", port=ctx.port, pidfile=loc["pidfile"],
-                not_ours=not_ours and {k: not_ours[k] for k in ("kind", "pid")})
-        return {"stopped": False, "message": msg, "pidfile": loc["pidfile"],
-                "port_owner": servers.describe(loc["foreign"][0]) if loc["foreign"] else None,
-                "not_ours": not_ours}
+        return _nothing_to_stop(ctx, loc)
     ctx.changed = True
     smi = hostinfo.nvidia_smi_path(ctx)
     gpu_before = nvidia.compute_pids(smi, hostinfo.server_env(ctx)) if smi else None
@@ -115,30 +99,79 @@ def stop_server(ctx, grace=60.0, port_timeout=30.0, gpu_timeout=60.0, pid=None, 
     out = {"stopped": True, "pid": server["pid"] if server else None, "source": server["source"] if server else None,
            "escalated": False, "swept": [], "grace_s": grace, "timings": {}, "warnings": []}
     store.journal(ctx, "stop.begin", pid=out["pid"], source=out["source"], grace=grace, tree=sorted(tree),
-            leftovers=sorted(leftovers))
+                  leftovers=sorted(leftovers))
+    t_exit = time.monotonic() if server is None else _terminate(ctx, server, grace, tree, out)
+    _sweep(ctx, tree, out)
+    t_swept = time.monotonic()
+    _wait_port_free(ctx, tree, port_timeout, out)
+    out["timings"]["exit_to_port_free_s"] = round(time.monotonic() - t_exit, 4)
+    out["timings"]["sweep_s"] = round(t_swept - t_exit, 4)
+    store.journal(ctx, "stop.port_free", port=ctx.port, after_exit_s=out["timings"]["exit_to_port_free_s"],
+                  swept=[d["pid"] for d in out["swept"]])
+    out["gpu"] = _wait_gpu_released(ctx, smi, gpu_before, tree, gpu_timeout, t_exit, out)
+    rec = servers.read_pidfile(ctx)
+    if rec and not rec.get("stopped") and (server is None or server["source"] != "operator"):
+        rec["stopped"] = store.now_iso()
+        try:
+            servers.write_pidfile(ctx, rec)
+        except OSError as err:
+            out["warnings"].append("the server is stopped, but %s could not record it (%s)"
+                                   % (ctx.path(servers.PIDFILE), err.strerror or err))
+    out["timings"]["total_s"] = round(time.monotonic() - t0, 4)
+    store.journal(ctx, "stop.done", **out["timings"])
+    return out
+
+
+def _nothing_to_stop(ctx, loc):
+    """No server of ours and no leftover of one: record it as stopped and say what else holds the port."""
+    rec = loc["record"]
+    if rec and not rec.get("stopped"):
+        rec["stopped"] = store.now_iso()
+        with contextlib.suppress(OSError):  # a record: a full disk must not make a stop fail
+            servers.write_pidfile(ctx, rec)
+    not_ours = servers.not_ours(ctx, loc)
+    msg = "server already stopped"
+    if not_ours and not_ours["kind"] == "operator":
+        msg = ("stop refused: no server started by dynctl runs, and %s; nothing was changed and nothing was "
+               "killed -- %s" % (not_ours["text"], not_ours["hint"]))
+    elif not_ours:
+        msg += "; %s: left alone -- %s" % (not_ours["text"], not_ours["hint"])
+    store.journal(ctx, "stop.noop", port=ctx.port, pidfile=loc["pidfile"],
+                  not_ours=not_ours and {k: not_ours[k] for k in ("kind", "pid")})
+    return {"stopped": False, "message": msg, "pidfile": loc["pidfile"],
+            "port_owner": servers.describe(loc["foreign"][0]) if loc["foreign"] else None,
+            "not_ours": not_ours}
+
+
+def _terminate(ctx, server, grace, tree, out):
+    """SIGTERM the main pid, SIGKILL once the grace is over; add the children it started while draining to
+    `tree`. Returns when it exited (monotonic)."""
+    pid, start = server["pid"], server["start"]
+    with contextlib.suppress(OSError):  # "draining" in status; a full disk must not keep the server up
+        servers.mark_pidfile(ctx, server, stopping=store.now_iso())
+    t_term = time.monotonic()
+    send_signal(ctx, pid, start, signal.SIGTERM, "stop: drain")
+    gone = lambda: procfs.reap(pid) is not None or not procfs.same(pid, start)  # noqa: E731
+    if not procfs.wait_until(gone, grace, 0.01):
+        out["escalated"] = True
+        send_signal(ctx, pid, start, signal.SIGKILL, "stop: grace %gs over" % grace)
+        if not procfs.wait_until(gone, 10.0):
+            raise AgentError("pid %d survived SIGKILL for 10 s (state %s); the host needs attention"
+                             % (pid, (procfs.stat(pid) or {}).get("state")))
     t_exit = time.monotonic()
-    if server is not None:
-        pid, start = server["pid"], server["start"]
-        with contextlib.suppress(OSError):  # "draining" in status; a full disk must not keep the server up
-            servers.mark_pidfile(ctx, server, stopping=store.now_iso())
-        t_term = time.monotonic()
-        send_signal(ctx, pid, start, signal.SIGTERM, "stop: drain")
-        gone = lambda: procfs.reap(pid) is not None or not procfs.same(pid, start)  # noqa: E731
-        if not procfs.wait_until(gone, grace, 0.01):
-            out["escalated"] = True
-            send_signal(ctx, pid, start, signal.SIGKILL, "stop: grace %gs over" % grace)
-            if not procfs.wait_until(gone, 10.0):
-                raise AgentError("pid %d survived SIGKILL for 10 s (state %s); the host needs attention"
-                                 % (pid, (procfs.stat(pid) or {}).get("state")))
-        t_exit = time.monotonic()
-        out["timings"]["sigterm_to_exit_s"] = round(t_exit - t_term, 4)
-        store.journal(ctx, "stop.exited", pid=pid, escalated=out["escalated"], after_s=out["timings"]["sigterm_to_exit_s"])
-        # children that appeared while it drained belong to it too
-        table = procfs.table()
-        for p, st in table.items():
-            if st["start"] >= start and st["state"] not in ("Z", "X") and p not in tree and (
-                    (server["sid"] == pid and st["sid"] == pid) or (server["marker"] and servers.has_marker(p, server["marker"]))):
-                tree[p] = st["start"]
+    out["timings"]["sigterm_to_exit_s"] = round(t_exit - t_term, 4)
+    store.journal(ctx, "stop.exited", pid=pid, escalated=out["escalated"], after_s=out["timings"]["sigterm_to_exit_s"])
+    # children that appeared while it drained belong to it too
+    table = procfs.table()
+    for p, st in table.items():
+        if st["start"] >= start and st["state"] not in ("Z", "X") and p not in tree and (
+                (server["sid"] == pid and st["sid"] == pid) or (server["marker"] and servers.has_marker(p, server["marker"]))):
+            tree[p] = st["start"]
+    return t_exit
+
+
+def _sweep(ctx, tree, out):
+    """SIGKILL what is left of the server's tree (each still the process collected), and wait until it is gone."""
     survivors = {p: s for p, s in tree.items() if procfs.same(p, s)}
     for p, s in sorted(survivors.items()):
         desc = servers.describe(p)
@@ -147,8 +180,10 @@ def stop_server(ctx, grace=60.0, port_timeout=30.0, gpu_timeout=60.0, pid=None, 
     if not procfs.wait_until(lambda: not any(procfs.same(p, s) for p, s in survivors.items()), 10.0, 0.005):
         left = [p for p, s in survivors.items() if procfs.same(p, s)]
         raise AgentError("processes of the old server survived SIGKILL: %s" % ", ".join(map(str, left)))
-    t_swept = time.monotonic()
 
+
+def _wait_port_free(ctx, tree, port_timeout, out):
+    """Until the port is free, or held by a process that is not the server's (a warning then)."""
     foreign, scanned = [], [0.0]
 
     def port_settled():
@@ -166,23 +201,6 @@ def stop_server(ctx, grace=60.0, port_timeout=30.0, gpu_timeout=60.0, pid=None, 
     if foreign:
         out["warnings"].append("port %d was taken by a process dynctl does not manage: pid %d (%s)"
                                % (ctx.port, foreign[0], " ".join(sglang.redact_argv(procfs.cmdline(foreign[0])))[:120]))
-    t_port = time.monotonic()
-    out["timings"]["exit_to_port_free_s"] = round(t_port - t_exit, 4)
-    out["timings"]["sweep_s"] = round(t_swept - t_exit, 4)
-    store.journal(ctx, "stop.port_free", port=ctx.port, after_exit_s=out["timings"]["exit_to_port_free_s"],
-            swept=[d["pid"] for d in out["swept"]])
-    out["gpu"] = _wait_gpu_released(ctx, smi, gpu_before, tree, gpu_timeout, t_exit, out)
-    rec = servers.read_pidfile(ctx)
-    if rec and not rec.get("stopped") and (server is None or server["source"] != "operator"):
-        rec["stopped"] = store.now_iso()
-        try:
-            servers.write_pidfile(ctx, rec)
-        except OSError as err:
-            out["warnings"].append("the server is stopped, but %s could not record it (%s)"
-                                   % (ctx.path(servers.PIDFILE), err.strerror or err))
-    out["timings"]["total_s"] = round(time.monotonic() - t0, 4)
-    store.journal(ctx, "stop.done", **out["timings"])
-    return out
 
 
 def _wait_gpu_released(ctx, smi, before, tree, timeout, t_exit, out):

@@ -168,11 +168,12 @@ TRACEBACK_EXIT_S = 2.0
 
 
 def wait_ready(ctx, ready_timeout=900.0, generate=True, poll=0.1):
-    """Yield progress until the server answers; the last item is {"event": "ready"} or {"event": "failed"}."""
+    """Yield progress until the server answers ({"type": "log" | "warning" | "waiting", ...}); the last item is
+    {"type": "ready", ...} or {"type": "failed", ...}."""
     rec = servers.read_pidfile(ctx)
     if not rec or not rec.get("pid") or rec.get("stopped"):
         why = "the last server was stopped at %s" % rec["stopped"] if rec and rec.get("stopped") else "no pidfile"
-        yield {"event": "failed", "reason": "not started", "message": "no server is starting in %s (%s)"
+        yield {"type": "failed", "reason": "not started", "message": "no server is starting in %s (%s)"
                % (ctx.workdir, why), "log_tail": []}
         return
     pid, start, log_path = int(rec["pid"]), rec.get("pid_start"), rec.get("log") or ctx.path(servers.LOG)
@@ -190,47 +191,24 @@ def wait_ready(ctx, ready_timeout=900.0, generate=True, poll=0.1):
     def failed(reason, message, **extra):
         tail = log_tail(log_path, 40, since=int(rec.get("log_offset") or 0))
         store.journal(ctx, "ready.failed", pid=pid, reason=reason, message=message)
-        item = {"event": "failed", "reason": reason, "message": message, "log_tail": tail, "pid": pid,
+        item = {"type": "failed", "reason": reason, "message": message, "log_tail": tail, "pid": pid,
                 "elapsed": round(time.monotonic() - t0, 3), "alive": procfs.same(pid, start)}
         item.update(extra)
         return item
 
     while True:
-        lines, traceback = [], False
-        try:
-            with open(log_path, "rb") as f:
-                f.seek(offset)
-                chunk = f.read(1 << 20)
-        except OSError:
-            chunk = b""
-        if chunk:
-            offset += len(chunk)
-            data = partial + chunk
-            parts = data.split(b"\n")
-            partial = parts.pop()
-            lines = [p.decode("utf-8", "replace") for p in parts]
-            # sglang logs it behind a prefix: "[... TP0] Scheduler hit an exception: Traceback (most ..."
-            traceback = any("Traceback (most recent call last)" in ln for ln in lines)
+        offset, partial, lines = _new_lines(log_path, offset, partial)
         if lines:
             last_yield = time.monotonic()
-            yield {"event": "log", "lines": lines}
-        status = procfs.reap(pid)
-        if status is not None or not procfs.same(pid, start):
-            code = "" if status is None else " with code %d" % status
-            yield failed("crash", "the server (pid %d) exited%s during start" % (pid, code), exit_code=status)
+            yield {"type": "log", "lines": lines}
+        # sglang logs it behind a prefix: "[... TP0] Scheduler hit an exception: Traceback (most ..."
+        traceback = any("Traceback (most recent call last)" in ln for ln in lines)
+        ended = _start_ended(pid, start, traceback)
+        if ended is not None:
+            yield failed(ended[0], ended[1], exit_code=ended[2])
             return
         if traceback:
-            # A crash logs its traceback and exits (sglang's children take the whole tree down), so
-            # a Traceback counts as a failed start only when the process is gone within the crash
-            # window; sglang also logs tracebacks for optional features it skips (a missing
-            # openai_harmony, say) and then serves normally.
-            if procfs.wait_until(lambda: not procfs.same(pid, start), TRACEBACK_EXIT_S, 0.05):
-                status = procfs.reap(pid)
-                code = "" if status is None else " with code %d" % status
-                yield failed("traceback", "the server (pid %d) logged a Traceback and exited%s during start"
-                             % (pid, code), exit_code=status)
-                return
-            yield {"event": "warning", "text": "the server log shows a Traceback during start, but the server "
+            yield {"type": "warning", "text": "the server log shows a Traceback during start, but the server "
                                                "(pid %d) is still running; waiting for it to be ready" % pid}
         if probe is not None and not probe.is_alive():
             result, probe = probe.result or {}, None
@@ -239,7 +217,7 @@ def wait_ready(ctx, ready_timeout=900.0, generate=True, poll=0.1):
                 store.journal(ctx, "ready.ok", pid=pid, elapsed=elapsed)
                 with contextlib.suppress(OSError):  # a record; the server serves whether or not it lands
                     servers.mark_pidfile(ctx, {"pid": pid}, ready_at=store.now_iso())
-                yield {"event": "ready", "pid": pid, "elapsed": elapsed, "generate": result.get("generate")}
+                yield {"type": "ready", "pid": pid, "elapsed": elapsed, "generate": result.get("generate")}
                 return
             # probe often while a start is young (a fast server's readiness is seen at once), then back off
             last_detail = result.get("detail") or "not ready"
@@ -254,8 +232,59 @@ def wait_ready(ctx, ready_timeout=900.0, generate=True, poll=0.1):
             return
         if time.monotonic() - last_yield >= 5.0:
             last_yield = time.monotonic()
-            yield {"event": "waiting", "elapsed": round(elapsed, 1), "detail": last_detail}
+            yield {"type": "waiting", "elapsed": round(elapsed, 1), "detail": last_detail}
         time.sleep(poll)
+
+
+def _new_lines(log_path, offset, partial):
+    """(offset, partial, lines): the whole lines logged since `offset`, the unfinished one kept for later."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(offset)
+            chunk = f.read(1 << 20)
+    except OSError:
+        chunk = b""
+    if not chunk:
+        return offset, partial, []
+    parts = (partial + chunk).split(b"\n")
+    partial = parts.pop()
+    return offset + len(chunk), partial, [p.decode("utf-8", "replace") for p in parts]
+
+
+def _start_ended(pid, start, traceback):
+    """(reason, message, exit status) once the starting server is gone, or None while it runs.
+
+    A crash logs its traceback and exits (sglang's children take the whole tree down), so a Traceback counts
+    as a failed start only when the process is gone within the crash window; sglang also logs tracebacks for
+    optional features it skips (a missing openai_harmony, say) and then serves normally."""
+    status = procfs.reap(pid)
+    if status is not None or not procfs.same(pid, start):
+        code = "" if status is None else " with code %d" % status
+        return "crash", "the server (pid %d) exited%s during start" % (pid, code), status
+    if traceback and procfs.wait_until(lambda: not procfs.same(pid, start), TRACEBACK_EXIT_S, 0.05):
+        status = procfs.reap(pid)
+        code = "" if status is None else " with code %d" % status
+        return "traceback", "the server (pid %d) logged a Traceback and exited%s during start" % (pid, code), status
+    return None
+
+
+def await_ready(ctx, oplog, ready_timeout):
+    """An operation's readiness wait: wait_ready's items become its records (one "log" record a line), the
+    ready item is returned, a failure raised with its reason, log tail and pid."""
+    for item in wait_ready(ctx, ready_timeout=ready_timeout):
+        kind = item.pop("type")
+        if kind == "log":
+            for line in item["lines"]:
+                oplog.log(line)
+        elif kind == "waiting":
+            oplog.emit("waiting", seconds=item.get("elapsed"), detail=item.get("detail"))
+        elif kind == "warning":
+            oplog.emit("warning", text=item.get("text"))
+        elif kind == "failed":
+            raise AgentError(item.pop("message", None) or "the server did not become ready", "failed", **item)
+        elif kind == "ready":
+            return item
+    raise AgentError("the readiness check ended without a verdict", "failed")
 
 
 # -- logs

@@ -13,6 +13,12 @@ from dynctl_agent.protocol import AgentError
 
 JOURNAL = "journal.jsonl"
 JOURNAL_ROTATE = 16 << 20  # beyond this the journal moves to journal.jsonl.1 (one old copy is kept)
+PIDFILE = "server.json"  # the server dynctl started: its pid, argv and release (servers writes it)
+
+
+def read_pidfile(ctx):
+    return read_json(ctx.path(PIDFILE)) if os.path.isdir(ctx.workdir) else None
+
 
 def now_iso():
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="milliseconds")

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import json
 import os
 import socket
 import sys
 import time
 
+from dynctl import hostspec
 from dynctl_agent.protocol import PROTOCOL, AgentError, Context, outcome, workdir_problem
 
 # verb: (module, function, streams); every function takes the Context and the request's params
@@ -29,7 +31,6 @@ VERBS = {
     "server_stop": ("lifecycle", "server_stop", False),
     "server_start": ("lifecycle", "server_start", False),
     "server_wait_ready": ("lifecycle", "server_wait_ready", True),
-    "server_restart": ("lifecycle", "server_restart", True),
     "server_adopt": ("adoption", "server_adopt", False),
     "server_logs": ("lifecycle", "server_logs", False),
     "server_logs_follow": ("lifecycle", "server_logs_follow", True),
@@ -56,13 +57,29 @@ OPS = {
 DAMAGED = 96  # the exit status that has the client install this copy of the agent again
 
 
-def ping(ctx, **_):
+def ping(ctx):
     return {"pong": True, "time": time.time()}
 
 
 def load(entry):
     """The function a VERBS or OPS entry names, its module imported now."""
     return getattr(importlib.import_module("dynctl_agent." + entry[0]), entry[1])
+
+
+def check_params(what, fn, params, leading=1):
+    """Refuse (usage) a request whose parameters `fn` does not declare, or that lacks one it requires; the
+    first `leading` parameters are the agent's own (the Context, an operation's log), never the client's."""
+    if not isinstance(params, dict):
+        raise AgentError("parameters for %s must be a JSON object, got %s" % (what, type(params).__name__), "usage")
+    declared = list(inspect.signature(fn).parameters.values())[leading:]
+    names = {p.name for p in declared}
+    unknown = sorted(set(params) - names)
+    if unknown:
+        raise AgentError("unsupported parameters for %s: %s (it takes: %s); nothing was changed"
+                         % (what, ", ".join(unknown), ", ".join(p.name for p in declared) or "none"), "usage")
+    missing = [p.name for p in declared if p.default is inspect.Parameter.empty and p.name not in params]
+    if missing:
+        raise AgentError("missing parameters for %s: %s; nothing was changed" % (what, ", ".join(missing)), "usage")
 
 
 def _answer(obj):
@@ -86,7 +103,7 @@ def main():
         _answer({"ok": False, "kind": "usage", "error": "unknown agent verb %r" % name})
         return 2
     host = request.get("host") or {}
-    problem = workdir_problem(host.get("workdir") or "~/.dynctl")
+    problem = workdir_problem(host.get("workdir") or hostspec.DEFAULT_WORKDIR)
     if problem:
         _answer({"ok": False, "kind": problem[0], "error": problem[1], "changed": False, "done": True})
         return 2 if problem[0] == "usage" else 1
@@ -105,6 +122,7 @@ def main():
                              % (os.path.dirname(os.path.dirname(os.path.abspath(__file__))), VERBS[name][0],
                                 type(err).__name__, err))
             return DAMAGED
+        check_params(name, fn, params)
         if streams:
             for item in fn(ctx, **params):
                 _answer(item)

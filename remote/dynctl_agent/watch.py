@@ -234,7 +234,7 @@ def _sigterm(signum, frame):
     raise _Stop()
 
 
-def watch(ctx, interval=1.0, log_lines=50, gpus=True, max_items=None, info_every=5.0, gpu_procs=False, **_):
+def watch(ctx, interval=1.0, log_lines=50, gpus=True, max_items=None, info_every=5.0, gpu_procs=False):
     """Yield one sample of the server, its GPUs and its log every `interval` seconds, on the host itself."""
     interval = _number(interval, "interval", 0.05, 60.0)
     log_lines = _number(log_lines, "log_lines", 0, 5000, int)

@@ -1,4 +1,5 @@
-"""A local TCP port whose connections are carried to a far address over SSH `direct-tcpip` channels.
+"""A local TCP port whose connections are carried to a far address over SSH `direct-tcpip` channels: for the
+tests and benchmarks that compare the agent's own load generator with one run here through a tunnel.
 
 HTTP clients (httpx) then talk to 127.0.0.1:PORT as to any server; `http.client` over a raw paramiko
 Channel fails intermittently (IncompleteRead), a real local socket does not.
@@ -7,13 +8,19 @@ Channel fails intermittently (IncompleteRead), a real local socket does not.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import selectors
 import socket
 import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
+
+import paramiko
+
+from dynctl.errors import UnreachableError
+from dynctl.transport.ssh import SSH
 
 log = logging.getLogger("dynctl.ssh")
 
@@ -142,3 +149,30 @@ def _reset(conn: socket.socket) -> None:
         conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     with contextlib.suppress(OSError):
         conn.close()
+
+
+def open_channel(ssh: SSH, host: str, port: int, timeout: float | None = None) -> paramiko.Channel:
+    """A `direct-tcpip` channel to host:port as seen from the target (ConnectionRefusedError if closed)."""
+    transport = ssh.connect()
+    try:
+        return transport.open_channel("direct-tcpip", (host, port), ("127.0.0.1", 0),
+                                      timeout=timeout or ssh.connect_timeout)
+    except paramiko.ChannelException as err:
+        raise ConnectionRefusedError(errno.ECONNREFUSED, f"{ssh.description}: cannot reach {host}:{port} "
+                                     f"from there ({err.text})") from None
+    except (paramiko.SSHException, EOFError) as err:
+        ssh._forget(transport)  # the connection is gone: the next call opens a new one
+        raise UnreachableError(f"{ssh.description}: tunnel to {host}:{port} failed: "
+                               f"{err or type(err).__name__}") from None
+
+
+@contextlib.contextmanager
+def forward_local(ssh: SSH, remote_host: str, remote_port: int) -> Iterator[tuple[str, int]]:
+    """A 127.0.0.1 port on this machine whose connections reach remote_host:remote_port from the target."""
+    ssh.connect()
+    forwarder = LocalForwarder(lambda: open_channel(ssh, remote_host, remote_port),
+                               name=f"{remote_host}:{remote_port}").start()
+    try:
+        yield forwarder.address
+    finally:
+        forwarder.close()
