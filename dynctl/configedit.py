@@ -27,7 +27,8 @@ def keep_trailing_lines(table: Any) -> Iterator[None]:
     """Edit `table` with the comments and blank lines that end its section kept at its end: tomlkit keeps the
     lines before the next header in this table's body, though they introduce what follows, so a key added
     here would otherwise land under them."""
-    body, trailing = _last_table(table).value.body, []
+    body = _last_table(table).value.body
+    trailing: list[Any] = []
     while body and body[-1][0] is None and isinstance(body[-1][1], (tomlkit.items.Comment, tomlkit.items.Whitespace)):
         trailing.insert(0, body.pop()[1])
     yield

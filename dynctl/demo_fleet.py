@@ -21,13 +21,12 @@ import httpx
 import psutil
 
 from dynctl import events
-from dynctl.agent import AgentClient
+from dynctl.agent import open_agent
 from dynctl.config import Config, load_config
 from dynctl.demo import demo_root, free_port, register_tables
 from dynctl.errors import ConfigError, OperationFailed
 from dynctl.fleet import fan_out, fleet_target
 from dynctl.lifecycle import find_server, restart_server, server_argv
-from dynctl.transport import connect
 
 GROUP = "demo-fleet"
 MAX_FLEET = 8
@@ -101,7 +100,7 @@ def prepare(count: int, config_path: str | None = None, time_scale: float = 1.0,
 
     def start(name: str) -> None:
         host = cfg.hosts[name]
-        agent = AgentClient(connect(host, cfg), host)
+        agent = open_agent(host, cfg)
         state = find_server(agent)
         if state.not_ours:
             holder = state.not_ours.get("text") or "another process"

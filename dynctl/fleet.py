@@ -10,12 +10,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
-from dynctl.agent import AgentClient
+from dynctl.agent import open_agent
 from dynctl.config import Config, HostConfig
 from dynctl.errors import DynctlError, UsageError
 from dynctl.gateway import GatewayClient, Worker
 from dynctl.groups import Gateway, expand, gateways_of
-from dynctl.transport import connect
 
 DEFAULT_CONCURRENCY = 16  # hosts contacted at once; each has one connection
 # Hosts behind one SSH endpoint (containers on one Proxmox node) share its connection, and sshd refuses a
@@ -131,7 +130,7 @@ def host_row(member: Member, config: Config) -> HostRow:
     t0 = time.monotonic()
     try:
         with endpoint_slot(host):
-            agent = AgentClient(connect(host, config), host)
+            agent = open_agent(host, config)
             snap = sample_server(agent, host.simulated)
     except DynctlError as err:
         row.error, row.exit_code = str(err), err.exit_code

@@ -327,6 +327,14 @@ def _value(raw: str) -> str | None:
     return None if raw.lower() in _NOT_A_VALUE else raw
 
 
+@dataclass(frozen=True)
+class GpuProcess:
+    gpu_uuid: str | None
+    pid: int
+    process_name: str | None
+    used_mib: float | None
+
+
 def parse_nvidia_smi_csv(text: str, fields: Sequence[str]) -> list[dict[str, str | None]]:
     """Rows of `--format=csv,noheader,nounits` output as dicts; unavailable values are None.
 
@@ -360,3 +368,15 @@ def parse_gpu_csv(text: str) -> list[GpuStat]:
         gpus.append(GpuStat(index, row["uuid"], row["name"], _num(row["utilization.gpu"], float),
                             _num(row["memory.used"], float), _num(row["memory.total"], float)))
     return sorted(gpus, key=lambda g: g.index)
+
+
+def parse_compute_apps_csv(text: str) -> list[GpuProcess]:
+    """`nvidia-smi --query-compute-apps=gpu_uuid,pid,process_name,used_memory` rows (pid may be a host pid in a
+    container): the processes holding each GPU, as the live view lists them."""
+    procs = []
+    for row in parse_nvidia_smi_csv(text, APPS_QUERY):
+        pid = _num(row["pid"], int)
+        if pid is None:
+            continue
+        procs.append(GpuProcess(row["gpu_uuid"], pid, row["process_name"], _num(row["used_memory"], float)))
+    return procs

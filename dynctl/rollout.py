@@ -22,13 +22,12 @@ from typing import Any
 
 from dynctl import deploy as core
 from dynctl import events, operations
-from dynctl.agent import AgentClient
+from dynctl.agent import AgentClient, open_agent
 from dynctl.config import Config, user_state_dir
 from dynctl.errors import DynctlError, OperationFailed, PreflightError
 from dynctl.fleet import Fleet, Member, endpoint_slot, fan_out
 from dynctl.gateway import GatewayClient
 from dynctl.lifecycle import Confirm, proceed
-from dynctl.transport import connect
 
 DEFAULT_DRAIN_S = 30.0  # the longest request a gateway is given to finish before its worker is removed
 REGISTER_TIMEOUT_S = 120.0
@@ -178,7 +177,7 @@ class RollingOperation:
 
     def _plan_one(self, member: Member) -> HostPlan | DynctlError:
         try:
-            agent = AgentClient(connect(member.host, self.config), member.host)
+            agent = open_agent(member.host, self.config)
             if member.host.name in self.middle:
                 self._finish_cut_short(agent, member.host.name)
             if self.action == "deploy":
@@ -220,8 +219,9 @@ class RollingOperation:
                 record.state = "failed"
                 record.save()
             record = _new(self.fleet, self.action, target)
-        else:
+        elif record is not None:
             self.on_event(events.Note(f"resuming rollout {record.id}"))
+        assert record is not None  # the unfinished one resumed, or a new one
         plans.sort(key=lambda p: p.member.host.name not in middle)  # the host in the middle first
         todo = [p for p in plans if self._needs_work(p, record, middle)]
         for p in plans:

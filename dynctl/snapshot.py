@@ -191,7 +191,7 @@ def build_snapshot(item: dict[str, Any], host: str, prev: HostSnapshot | None = 
     carried = prev.server_info if prev is not None and same_run else {}
     if info_part is not None and info_part.get("ok"):
         info = info_part.get("data") or {}
-        info_time = t
+        info_time: float | None = t
     else:  # not sampled this time, or slow to answer: the last one of the same server run still holds
         info = carried
         info_time = prev.info_time if prev is not None and same_run else None
@@ -379,7 +379,7 @@ def _read_holders(part: dict[str, Any] | None, gpus: tuple[GpuStat, ...]) -> tup
         return None
     index = {g.uuid: g.index for g in gpus if g.uuid}
     owners = part.get("owners") or {}
-    out = [GpuHolder(index.get(p.gpu_uuid), p.pid, (owners.get(str(p.pid)) or {}).get("user"), p.used_mib,
+    out = [GpuHolder(index.get(p.gpu_uuid) if p.gpu_uuid else None, p.pid, (owners.get(str(p.pid)) or {}).get("user"), p.used_mib,
                      (owners.get(str(p.pid)) or {}).get("command") or p.process_name) for p in procs]
     return tuple(sorted(out, key=lambda h: (h.gpu if h.gpu is not None else 1 << 30, -(h.used_mib or 0), h.pid)))
 

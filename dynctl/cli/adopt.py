@@ -30,7 +30,8 @@ def adopt(
     """Record the server on the port that dynctl did not start as the baseline release (argv, environment, cwd,
     its log file) and manage it from now on; it keeps running."""
     session = open_host(host, config)
-    if write_config and session.config.path is None:
+    config_path = session.config.path
+    if write_config and config_path is None:
         raise ConfigError("--write-config: no config file is in use (see `dynctl config`); nothing was changed")
     result = adoption.adopt(session.agent, EventPrinter(quiet=as_json), lambda question: confirm(question, yes))
     if write_config and result.get("argv"):
@@ -38,8 +39,9 @@ def adopt(
         values = {"launch": launch, "args": args}
         if result.get("python"):
             values["python"] = result["python"]
-        set_host_keys(session.config.path, session.host.name, values)
+        assert config_path is not None  # refused above
+        set_host_keys(config_path, session.host.name, values)
         if not as_json:
-            console.print(f"wrote launch, args and python of [hosts.{session.host.name}] in {session.config.path}")
+            console.print(f"wrote launch, args and python of [hosts.{session.host.name}] in {config_path}")
     if as_json:
         console.print_json(json.dumps(sglang.redact(result), default=str))

@@ -14,13 +14,12 @@ from dynctl import deploy as core
 from dynctl import fleet as fleet_core
 from dynctl import rollout as rollout_core
 from dynctl import sglang
-from dynctl.agent import AgentClient
+from dynctl.agent import open_agent
 from dynctl.cli.common import console, err_console
 from dynctl.config import Config, load_config
 from dynctl.errors import DynctlError, Interrupted
 from dynctl.fleet import Fleet, HostRow
 from dynctl.patching import parse_threshold
-from dynctl.transport import connect
 
 HostsOpt = typer.Option(None, "--hosts", help="Several hosts at once: host or group names separated by commas.")
 ConcurrencyOpt = typer.Option(fleet_core.DEFAULT_CONCURRENCY, "--concurrency", min=1, max=256,
@@ -96,7 +95,7 @@ def releases(found: tuple[Config, Fleet], as_json: bool, concurrency: int) -> No
     def read(member: fleet_core.Member) -> dict[str, Any]:
         try:
             with fleet_core.endpoint_slot(member.host):
-                agent = AgentClient(connect(member.host, config), member.host)
+                agent = open_agent(member.host, config)
                 return {"host": member.host.name, "releases": core.list_releases(agent)}
         except DynctlError as err:
             return {"host": member.host.name, "error": str(err), "exit_code": err.exit_code}
@@ -136,7 +135,7 @@ def threshold(value: str, found: tuple[Config, Fleet], yes: bool, as_json: bool,
     def change(member: fleet_core.Member) -> dict[str, Any]:
         try:
             with fleet_core.endpoint_slot(member.host):
-                agent = AgentClient(connect(member.host, config), member.host)
+                agent = open_agent(member.host, config)
                 return {"host": member.host.name, **core.set_threshold(agent, number)}
         except DynctlError as err:
             return {"host": member.host.name, "error": str(err), "exit_code": err.exit_code}
@@ -310,7 +309,9 @@ def demo_fleet(count: int, config_path: str | None, threshold: int, time_scale: 
             table.add_row(r.host, r.outcome, f"{r.drain_s:.1f} s", f"{r.operation_s:.1f} s", f"{r.register_s:.1f} s")
         console.print(table)
         if no_tui:
-            rows, views = fleet_core.fleet_status(fleet_core.fleet_target(made.config, core_fleet.GROUP, None),
+            fleet = fleet_core.fleet_target(made.config, core_fleet.GROUP, None)
+            assert fleet is not None  # the demo registered the group
+            rows, views = fleet_core.fleet_status(fleet,
                                                   made.config)
             for row in rows:
                 gw = ", ".join(f"{g['status']} load {g['load']}" for g in row.gateway) or "no gateway"

@@ -37,7 +37,7 @@ def render(version: str, wheel: Path) -> str:
     release = releases()[version]
     with zipfile.ZipFile(wheel) as zf:
         names = set(zf.namelist())
-        originals = {
+        originals: dict[str, str | None] = {
             recipe.path: zf.read(f"sglang/{recipe.path}").decode("utf-8")
             for recipe in recipes(release.variant) if f"sglang/{recipe.path}" in names
         }

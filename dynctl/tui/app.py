@@ -140,7 +140,7 @@ class Dashboard(Screen):
 
     def action_help(self) -> None:
         app = self.app
-        app.push_screen(HelpScreen(list(self.BINDINGS), self.read_only,
+        app.push_screen(HelpScreen([b for b in self.BINDINGS if isinstance(b, Binding)], self.read_only,
                                    app.latest.get(app.current)))  # type: ignore[attr-defined]
 
     def action_full_log(self) -> None:

@@ -148,7 +148,7 @@ class FleetApp(DynctlApp):
     def _mount_fleet(self) -> None:
         self.install_screen(self.fleet, "fleet")
         self.push_screen("fleet")
-        self.set_interval(max(self.interval, 0.5), self._flush)  # one redraw of the table per sample interval
+        self.set_interval(max(self.interval, 0.5), self._redraw_dirty)  # one redraw of the table per sample interval
         if self._read_gateways is not None:
             self._poll_gateways()
             self.set_interval(max(self.interval, 1.0), self._poll_gateways)
@@ -182,7 +182,7 @@ class FleetApp(DynctlApp):
                 self.histories[snap.host] = message.history
         self._dirty.add(message.snapshot.host)
 
-    def _flush(self) -> None:
+    def _redraw_dirty(self) -> None:
         if self._dirty:
             dirty, self._dirty = self._dirty, set()
             self._show_fleet(dirty)
