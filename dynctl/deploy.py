@@ -123,7 +123,7 @@ def plan_deploy(agent: AgentClient, host: HostConfig, threshold: Any, use_config
                               f"launches the configured args instead")
     operator = context.get("operator")
     if operator:
-        dplan.operator = dict(operator, argv_diff=_argv_diff(operator.get("cmdline") or [], argv))
+        dplan.operator = dict(operator, argv_diff=sglang.argv_diff(operator.get("cmdline") or [], argv))
         how = ("the deploy takes it over only on the operator's word (the takeover prompt, or --adopt)"
                if operator.get("adoptable") else f"it runs as {operator.get('owner')}, so dynctl never takes it over")
         dplan.warnings.append(f"{dplan.operator_line()}: {how}")
@@ -144,19 +144,6 @@ def _speculation_args(host: HostConfig, context: dict[str, Any], base: tuple[lis
         raise PreflightError(f"{host.name}: the launch's --config cannot be read on the host ({found['error']}); "
                              f"its speculation settings decide the adaptive config; nothing was changed")
     return adoption.without_own_flags(found["argv"])
-
-
-def _argv_diff(running: list[str], wanted: list[str]) -> str:
-    """What differs between two argv: "-`--tp 8` +`--tp 4`" (- only in the running one, + only in `wanted`)."""
-    import difflib
-
-    parts = []
-    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, running, wanted, autojunk=False).get_opcodes():
-        if tag in ("replace", "delete"):
-            parts.append("-`" + " ".join(running[i1:i2]) + "`")
-        if tag in ("replace", "insert"):
-            parts.append("+`" + " ".join(wanted[j1:j2]) + "`")
-    return " ".join(parts) or "none"
 
 
 def refuse_if_busy(agent: AgentClient) -> None:

@@ -250,8 +250,11 @@ def restart(agent: AgentClient, host: HostConfig, grace: float = 60.0, ready_tim
     `keep_live_threshold` starts the launch with the live value instead."""
     state = find_server(agent)
     operator = operator_server(state.not_ours) if state.pid is None else None
-    pinned = takeover(host.name, "restart", operator, adopt)
     argv, how = launch_in_force(state, host)
+    if operator is not None:  # the question shows what the restart will run, not the configured launch
+        planned = argv if (state.in_force or {}).get("argv") else list(operator["cmdline"])
+        operator = dict(operator, argv_diff=sglang.argv_diff(operator.get("cmdline") or [], planned))
+    pinned = takeover(host.name, "restart", operator, adopt)
     if pinned is not None and not (state.in_force or {}).get("argv"):
         argv, how = list(operator["cmdline"]), f"its own launch (pid {operator['pid']}, adopted as the baseline)"
     given, note = None, ""

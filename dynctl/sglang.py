@@ -6,6 +6,7 @@ Used by the client, the simulator and the host agent (the agent's archive carrie
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 
@@ -391,3 +392,14 @@ def without_flags(argv, flags):
 def same_launch(argv, other):
     """argv and other are one launch but for the flags dynctl sets itself (port, metrics, threshold, adaptive)."""
     return without_flags(argv, OWN_LAUNCH_FLAGS) == without_flags(other, OWN_LAUNCH_FLAGS)
+
+
+def argv_diff(running: list[str], wanted: list[str]) -> str:
+    """What differs between two argv: "-`--tp 8` +`--tp 4`" (- only in the running one, + only in `wanted`)."""
+    parts = []
+    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, running, wanted, autojunk=False).get_opcodes():
+        if tag in ("replace", "delete"):
+            parts.append("-`" + " ".join(running[i1:i2]) + "`")
+        if tag in ("replace", "insert"):
+            parts.append("+`" + " ".join(wanted[j1:j2]) + "`")
+    return " ".join(parts) or "none"
