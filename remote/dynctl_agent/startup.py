@@ -62,6 +62,10 @@ def start_server(ctx, argv, env=None, release=None, launch=None):
     full_env = dict(launch["env"]) if launch else hostinfo.server_env(ctx)
     full_env.update({k: os.path.expandvars(v) for k, v in env.items()})
     full_env[servers.MARKER_ENV] = marker
+    # sglang titles its processes with setproctitle, which on Linux writes the title over the environment
+    # block: /proc/PID/environ then loses the marker, and an orphan that left the session is not found as
+    # the server's. SPT_NOENV keeps the title within argv's space (sglang's titles are short).
+    full_env.setdefault("SPT_NOENV", "1")
     home = os.path.expanduser("~")
     cwd = home if os.path.isdir(home) else ctx.workdir  # relative paths in args resolve as in a login shell
     if launch and launch.get("cwd") and os.path.isdir(launch["cwd"]):
