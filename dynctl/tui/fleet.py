@@ -18,6 +18,7 @@ from dynctl.feed import describe_error
 from dynctl.snapshot import HostSnapshot
 from dynctl.tui.app import DynctlApp, FeedFactory
 from dynctl.tui.actions import ActionsFactory
+from dynctl.tui.fleet_table import FleetTable
 from dynctl.tui.modals import ConfirmModal, ThresholdModal
 
 COLUMNS = ("host", "state", "release", "threshold", "batch", "spec", "tok/s", "GPU mem", "gateway", "rollout")
@@ -71,7 +72,7 @@ class FleetScreen(Screen):
 
     def compose(self) -> ComposeResult:
         yield Static(fleet_totals(self.fleet_name, {h: None for h in self.hosts}), id="fleet-totals")
-        table: DataTable = DataTable(id="fleet-table", cursor_type="row", zebra_stripes=True)
+        table: DataTable = FleetTable(id="fleet-table", cursor_type="row", zebra_stripes=True)
         for column in COLUMNS:
             table.add_column(column, key=column)
         for h in self.hosts:
@@ -148,7 +149,7 @@ class FleetApp(DynctlApp):
     def _mount_fleet(self) -> None:
         self.install_screen(self.fleet, "fleet")
         self.push_screen("fleet")
-        self.set_interval(max(self.interval, 0.5), self._flush)  # one redraw of the table per sample interval
+        self.set_interval(max(self.interval, 0.5), self._redraw_dirty)  # one redraw of the table per sample interval
         if self._read_gateways is not None:
             self._poll_gateways()
             self.set_interval(max(self.interval, 1.0), self._poll_gateways)
@@ -182,7 +183,7 @@ class FleetApp(DynctlApp):
                 self.histories[snap.host] = message.history
         self._dirty.add(message.snapshot.host)
 
-    def _flush(self) -> None:
+    def _redraw_dirty(self) -> None:
         if self._dirty:
             dirty, self._dirty = self._dirty, set()
             self._show_fleet(dirty)
