@@ -23,6 +23,8 @@ _LOG_CAP = 1 << 20  # most log bytes read per interval; a flood beyond that is s
 # patch's warnings that the threshold cannot act.
 _MARKS = ("Speculation enabled", "Speculation disabled", "SIGTERM received", "is not armed:", "never fires:")
 _MAX_MARKS = 200
+# nvidia-smi's first block: 20-30 ms on an H200 with persistence mode on, up to about a second without it
+FIRST_GPU_WAIT_S = 1.5
 _OWN_REQUESTS = tuple('"GET %s HTTP/1.1"' % p for p in ("/metrics", sglang.SERVER_INFO_PATHS[0], sglang.LOADS_PATH))
 
 
@@ -241,6 +243,8 @@ def watch(ctx, interval=1.0, log_lines=50, gpus=True, max_items=None, info_every
     max_items = None if max_items is None else _number(max_items, "max_items", 1, 10 ** 9, int)
     proc, log = _ServerSampler(ctx), _LogSampler(ctx.path(servers.LOG), log_lines)
     gpu = nvidia.Sampler(ctx, interval) if gpus else None
+    if gpu:
+        gpu.start(time.time())
     previous = None
     if threading.current_thread() is threading.main_thread():  # a closed stream ends us by SIGTERM
         previous = signal.signal(signal.SIGTERM, _sigterm)
@@ -265,7 +269,9 @@ def watch(ctx, interval=1.0, log_lines=50, gpus=True, max_items=None, info_every
                 item["server_info"] = _server_info(ctx, max(0.05, start + budget - time.time()))
                 info_at = start
             last_pid, last_http = pid, item["metrics"]["ok"]
-            item["gpus"] = gpu.sample(start) if gpu else None
+            # the first item waits for nvidia-smi's first answer (a block is due every interval after it)
+            first_wait = max(0.0, start + FIRST_GPU_WAIT_S - time.time()) if seq == 0 else 0.0
+            item["gpus"] = gpu.sample(start, wait=first_wait) if gpu else None
             item["log"] = log.sample(first=seq == 0)
             item["release"] = _release(ctx)
             item["lock"] = _lock(ctx)
