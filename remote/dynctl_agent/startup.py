@@ -165,7 +165,7 @@ class _Probe(threading.Thread):
 TRACEBACK_EXIT_S = 2.0
 
 
-def wait_ready(ctx, ready_timeout=900.0, generate=True, poll=0.1):
+def wait_ready(ctx, ready_timeout=900.0, generate=True, poll=0.05):
     """Yield progress until the server answers; the last item is {"event": "ready"} or {"event": "failed"}."""
     rec = servers.read_pidfile(ctx)
     if not rec or not rec.get("pid") or rec.get("stopped"):
