@@ -76,8 +76,10 @@ class Sampler:
             if not head.isdigit():
                 noise.append(line)
                 continue
-            line, _, count = line.rpartition(",")
-            line, count = line.rstrip(), count.strip()
+            count = ""
+            if line.count(",") >= len(sglang.GPU_QUERY):  # the count column came back after the queried ones
+                line, _, count = line.rpartition(",")
+                line, count = line.rstrip(), count.strip()
             index = int(head)
             if last is not None and index <= last:
                 if size is None or len(block) != size:
