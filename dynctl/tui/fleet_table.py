@@ -12,6 +12,7 @@ from typing import Any
 
 from textual.coordinate import Coordinate
 from textual.widgets import DataTable
+from textual.widgets.data_table import CellDoesNotExist
 
 
 class FleetTable(DataTable):
@@ -27,7 +28,7 @@ class FleetTable(DataTable):
             return super()._render_cell(row_index, column_index, base_style, width, *args, **kw)
         try:
             value = self.get_cell_at(Coordinate(row_index, column_index))
-        except Exception:  # noqa: BLE001 - a cell DataTable cannot name is rendered as DataTable does
+        except CellDoesNotExist:  # a cell DataTable cannot name is rendered as DataTable does
             return super()._render_cell(row_index, column_index, base_style, width, *args, **kw)
         key = (row_index, column_index, value, base_style, width, args, tuple(sorted(kw.items())),
                getattr(self, "_pseudo_class_state", None), getattr(self, "_show_hover_cursor", None),

@@ -23,7 +23,8 @@ _LOG_CAP = 1 << 20  # most log bytes read per interval; a flood beyond that is s
 # patch's warnings that the threshold cannot act.
 _MARKS = ("Speculation enabled", "Speculation disabled", "SIGTERM received", "is not armed:", "never fires:")
 _MAX_MARKS = 200
-# nvidia-smi's first block: 20-30 ms on an H200 with persistence mode on, up to about a second without it
+# How long the first sample waits for nvidia-smi's first block (20-30 ms on an H200 with persistence mode on,
+# more without it); one that comes later is in the next sample.
 FIRST_GPU_WAIT_S = 1.5
 _OWN_REQUESTS = tuple('"GET %s HTTP/1.1"' % p for p in ("/metrics", sglang.SERVER_INFO_PATHS[0], sglang.LOADS_PATH))
 
@@ -243,13 +244,13 @@ def watch(ctx, interval=1.0, log_lines=50, gpus=True, max_items=None, info_every
     max_items = None if max_items is None else _number(max_items, "max_items", 1, 10 ** 9, int)
     proc, log = _ServerSampler(ctx), _LogSampler(ctx.path(servers.LOG), log_lines)
     gpu = nvidia.Sampler(ctx, interval) if gpus else None
-    if gpu:
-        gpu.start(time.time())
     previous = None
     if threading.current_thread() is threading.main_thread():  # a closed stream ends us by SIGTERM
         previous = signal.signal(signal.SIGTERM, _sigterm)
     seq, slot, info_at, last_pid, last_http, loads_missing_at = 0, time.time(), None, None, None, None
     try:
+        if gpu:  # its first block is read while the rest of the first sample is taken
+            gpu.start(time.time())
         while True:
             start = time.time()
             budget = interval * 0.8
