@@ -31,8 +31,59 @@ class MetricsFormatError(ValueError):
 _RANK_LABELS = ("tp_rank", "pp_rank", "moe_ep_rank")
 
 
+# A server's /metrics repeats the same series every sample, only the values move; reading a series' name and
+# labels is most of prometheus_client's cost, so each "name{labels}" is read once and kept.
+_SERIES: dict[str, tuple[str, dict[str, str]]] = {}
+_SERIES_CAP = 8192
+
+
+def _series(key: str) -> tuple[str, dict[str, str]] | None:
+    found = _SERIES.get(key)
+    if found is None:
+        try:
+            samples = [s for f in text_string_to_metric_families(key + " 0\n") for s in f.samples]
+        except ValueError:
+            return None
+        if len(samples) != 1:
+            return None
+        if len(_SERIES) >= _SERIES_CAP:
+            _SERIES.clear()
+        found = _SERIES[key] = (samples[0].name, samples[0].labels)
+    return found
+
+
+def _sample_value(text: str) -> float | None:
+    """A sample's value as prometheus_client reads it (an int where it is one); None when it is not a number."""
+    if "_" in text:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
 def parse_prometheus(text: str) -> dict[str, list[Sample]]:
     """Samples by sample name (`sglang:num_running_reqs`, `sglang:realtime_tokens_total`, ...)."""
+    out: dict[str, list[Sample]] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        close = line.rfind("}")
+        key, rest = (line[:close + 1], line[close + 1:].split()) if close >= 0 else (line.split()[0], line.split()[1:])
+        series = _series(key) if len(rest) == 1 else None  # a timestamp, or text this reading does not know
+        value = _sample_value(rest[0]) if series is not None else None
+        if series is None or value is None:
+            return _parse_whole(text)
+        out.setdefault(series[0], []).append(Sample(series[0], dict(series[1]), value))
+    return out
+
+
+def _parse_whole(text: str) -> dict[str, list[Sample]]:
     out: dict[str, list[Sample]] = {}
     try:
         for family in text_string_to_metric_families(text):

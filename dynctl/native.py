@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from dynctl import sglang
+from dynctl import pysource, sglang
 from dynctl.errors import PreflightError, UsageError
 from dynctl.patching.versions import parse_threshold
 
@@ -213,7 +213,7 @@ def exec_release_source(source: str, *, keep: Sequence[str] | None = None, drop:
     named top-level functions and classes (None: everything except `drop`); `stubs` stand in for the
     sglang names the kept code uses. What runs is the release's own code, as shipped.
     """
-    tree = ast.parse(source)
+    tree = pysource.parse(source)
     body = []
     for node in tree.body:
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("sglang"):

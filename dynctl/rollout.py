@@ -344,7 +344,7 @@ class RollingOperation:
             snap = sample_server(p.agent, p.member.host.simulated)
             if snap.state != "ready" or ((snap.running_reqs or 0) + (snap.queue_reqs or 0)) == 0:
                 return
-            time.sleep(0.2)
+            time.sleep(0.05)  # a sample is itself a round trip
 
     def _operate(self, p: HostPlan, sink: events.EventSink) -> str:
         if self.action == "deploy":

@@ -115,6 +115,30 @@ class TestPrometheus:
     def test_garbage_is_a_clear_error(self) -> None:
         with pytest.raises(MetricsFormatError, match="/metrics: not Prometheus text"):
             read_server_metrics("<html>502 Bad Gateway</html>\n")
+        with pytest.raises(MetricsFormatError, match="/metrics: not Prometheus text"):
+            parse_prometheus('sglang:num_running_reqs{tp_rank="0"} 2.0\nsglang:x{tp_rank="0" 1\n')
+
+    def test_kept_series_read_as_prometheus_client_reads_the_whole_text(self, sglang_metrics_text: str) -> None:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        def whole(text: str) -> dict:
+            out: dict = {}
+            for family in text_string_to_metric_families(text):
+                for s in family.samples:
+                    out.setdefault(s.name, []).append((s.name, s.labels, s.value, s.timestamp))
+            return out
+
+        def ours(text: str) -> dict:
+            return {k: [(s.name, s.labels, s.value, s.timestamp) for s in v] for k, v in parse_prometheus(text).items()}
+
+        moved = sglang_metrics_text.replace(" 7.0\n", " 9.0\n")  # the same series, other values
+        assert moved != sglang_metrics_text
+        for text in (sglang_metrics_text, moved, sglang_metrics_text):
+            assert ours(text) == whole(text)
+        odd = '# TYPE a gauge\na{l="x}y",m="q\\"z"} NaN\na{l="2"} +Inf\nb 3\n'  # "}" and '"' in values
+        stamped = odd + 'c{l="1"} 4 1700000000000\n'  # a timestamp: read by prometheus_client itself
+        for text in (odd, stamped):
+            assert ours(text).keys() == whole(text).keys() and str(ours(text)) == str(whole(text))
 
 
 class TestLogLines:

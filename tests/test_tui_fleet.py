@@ -131,3 +131,36 @@ def test_rows_and_totals_are_pure_functions_of_the_snapshots():
     down = HostSnapshot("c", T0, connected=False)
     assert host_row("c", down, None, "")[1] == "disconnected"
     assert fleet_totals("prod", {"a": snap, "c": down}).startswith("fleet prod: 2 hosts, 1 ready, 1 not answering")
+
+
+def shown_line(app, host: str) -> str:
+    """The text of host's row as the table draws it now (the header is line 0)."""
+    table = app.fleet.query_one(DataTable)
+    return table.render_line(1 + HOSTS.index(host)).text
+
+
+@pytest.mark.asyncio
+async def test_a_changed_cell_is_drawn_again_alone_and_shows_the_new_value(monkeypatch):
+    rendered: list[tuple[int, int]] = []
+    original = DataTable._render_cell
+
+    def counting(self, row_index, column_index, *args, **kw):
+        rendered.append((row_index, column_index))
+        return original(self, row_index, column_index, *args, **kw)
+
+    monkeypatch.setattr(DataTable, "_render_cell", counting)
+    w = World()
+    async with w.app.run_test(size=(160, 40)) as pilot:
+        await settle(pilot, lambda: w.app.screen is getattr(w.app, "fleet", None), "the fleet screen on top")
+        for h in HOSTS:
+            w.push(h, 7)
+        await settle(pilot, lambda: all(cells(w.app, h)[4] == "7 / 5" for h in HOSTS), "every row")
+        await settle(pilot, lambda: "7 / 5" in shown_line(w.app, "h3"), "h3 drawn")
+        before = cells(w.app, "h2")
+        rendered.clear()
+        w.push("h2", 9)
+        await settle(pilot, lambda: "9 / 5" in shown_line(w.app, "h2"), "h2's new batch drawn")
+        assert "7 / 5" not in shown_line(w.app, "h2") and "7 / 5" in shown_line(w.app, "h1")
+        changed = {(1, i) for i, (old, new) in enumerate(zip(before, cells(w.app, "h2"))) if old != new}
+        body = {cell for cell in rendered if cell[0] >= 0}
+        assert (1, 4) in changed and body == changed, f"cells drawn again: {sorted(body)}, changed: {sorted(changed)}"

@@ -231,6 +231,18 @@ def test_gpus_from_one_long_lived_nvidia_smi_and_clean_exit(server: SglangLikeSe
              what="the agent to end")
 
 
+def test_the_first_sample_has_the_gpus_without_waiting_for_nvidia_smis_next_period(
+        server: SglangLikeServer, workdir: Path, tmp_path: Path) -> None:
+    bindir = tmp_path / "bin"
+    install_fake_nvidia_smi(bindir, [{"util": 10, "used": 1000}, {"util": 20, "used": 2000}])
+    # nvidia-smi's period is the interval: a first block read only when the second starts would miss item 0
+    items = list(client(workdir, server.port, env={"PATH": path_with(bindir)}).stream("watch", interval=5.0,
+                                                                                   max_items=1))
+    assert items[0]["gpus"]["ok"], items[0]["gpus"]
+    snap = build_snapshot(items[0], "box")
+    assert [(g.index, g.util_pct, g.mem_used_mib) for g in snap.gpus] == [(0, 10.0, 1000.0), (1, 20.0, 2000.0)]
+
+
 def test_bad_parameters_are_usage_errors(workdir: Path) -> None:
     with pytest.raises(AgentError, match="watch: interval must be between") as err:
         list(client(workdir, 1).stream("watch", interval=0))

@@ -139,7 +139,8 @@ while True:
     stamp = time.strftime("%Y/%m/%d %H:%M:%S", time.localtime(now)) + ".%03d" % (now % 1 * 1000)
     for i, g in enumerate(gpus):
         values = {{"timestamp": stamp, "index": str(i), "uuid": "GPU-%08x-0000" % i, "name": "NVIDIA H200",
-                  "utilization.gpu": str(g["util"]), "memory.used": str(g["used"]), "memory.total": "143771"}}
+                  "utilization.gpu": str(g["util"]), "memory.used": str(g["used"]), "memory.total": "143771",
+                  "count": str(len(gpus))}}
         sys.stdout.write(", ".join(values[q] for q in query.split(",")) + "\n")
     sys.stdout.flush()
     if loop_ms is None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
 
-from dynctl import resources, sglang
+from dynctl import pysource, resources, sglang
 
 PACKAGE_PREFIX = "srt/"
 SERVER_ARGS = "srt/server_args.py"
@@ -69,7 +69,7 @@ def new_module_text() -> str:
 def _eagle_class_is_last(text: str) -> str | None:
     """The methods are appended at the end of the file, so EAGLEWorkerV2 must end it."""
     try:
-        tree = ast.parse(text)
+        tree = pysource.parse(text)
     except SyntaxError as err:
         return f"does not parse (line {err.lineno}: {err.msg})"
     last = tree.body[-1] if tree.body else None

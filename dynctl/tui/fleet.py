@@ -18,6 +18,7 @@ from dynctl.feed import describe_error
 from dynctl.snapshot import HostSnapshot
 from dynctl.tui.app import DynctlApp, FeedFactory
 from dynctl.tui.actions import ActionsFactory
+from dynctl.tui.fleet_table import FleetTable
 from dynctl.tui.modals import ConfirmModal, ThresholdModal
 
 COLUMNS = ("host", "state", "release", "threshold", "batch", "spec", "tok/s", "GPU mem", "gateway", "rollout")
@@ -71,7 +72,7 @@ class FleetScreen(Screen):
 
     def compose(self) -> ComposeResult:
         yield Static(fleet_totals(self.fleet_name, {h: None for h in self.hosts}), id="fleet-totals")
-        table: DataTable = DataTable(id="fleet-table", cursor_type="row", zebra_stripes=True)
+        table: DataTable = FleetTable(id="fleet-table", cursor_type="row", zebra_stripes=True)
         for column in COLUMNS:
             table.add_column(column, key=column)
         for h in self.hosts:

@@ -50,12 +50,14 @@ class Sampler:
         self.error = None if self.exe else "nvidia-smi not found on the server's PATH"
         self.proc = None
         self.started = 0.0
+        self.first = threading.Event()  # set once the first block is in, or nvidia-smi has ended
 
     def _start(self, now):
         self.started = now
         try:
             self.proc = subprocess.Popen(
-                sglang.gpu_query_argv(self.exe) + ["-lms", str(self.ms)],
+                [self.exe, "--query-gpu=" + ",".join(sglang.GPU_QUERY + ("count",)), sglang.CSV_FORMAT,
+                 "-lms", str(self.ms)],
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=self.env,
             )
         except OSError as err:
@@ -65,7 +67,8 @@ class Sampler:
 
     def _read(self, proc):
         # One block per period, one line per GPU in index order: a block ends when the index starts over.
-        # It is published as soon as it has as many GPUs as the last one had (no wait for the next period).
+        # It is published as soon as it has as many GPUs as each row's `count` says (the GPUs in the system),
+        # so the first block is read without waiting for the second; the rows go on without that column.
         block, last, size, noise = [], None, None, []
         for raw in proc.stdout:
             line = raw.decode("utf-8", "replace").strip()
@@ -73,11 +76,17 @@ class Sampler:
             if not head.isdigit():
                 noise.append(line)
                 continue
+            count = ""
+            if line.count(",") >= len(sglang.GPU_QUERY):  # the count column came back after the queried ones
+                line, _, count = line.rpartition(",")
+                line, count = line.rstrip(), count.strip()
             index = int(head)
             if last is not None and index <= last:
                 if size is None or len(block) != size:
                     self._publish(block)
                 size, block = len(block), []
+            if count.isdigit():
+                size = int(count)
             last = index
             block.append(line)
             if size is not None and len(block) == size:
@@ -85,17 +94,27 @@ class Sampler:
         proc.wait()
         with self.lock:
             self.error = ("nvidia-smi exited %s: %s" % (proc.returncode, " ".join(noise)[-300:])).strip(": ")
+        self.first.set()
 
     def _publish(self, block):
         with self.lock:
             self.latest = {"ok": True, "csv": "\n".join(block) + "\n", "t": time.time()}
             self.error = None
+        self.first.set()
 
-    def sample(self, now):
+    def start(self, now):
+        """Start nvidia-smi now, so that its first block is read while the rest of the first sample is taken."""
+        if self.exe is not None and self.proc is None:
+            self._start(now)
+
+    def sample(self, now, wait=0.0):
+        """The latest block; the first sample waits up to `wait` seconds for nvidia-smi's first answer."""
         if self.exe is None:
             return {"ok": False, "error": self.error}
         if (self.proc is None or self.proc.poll() is not None) and now - self.started >= self.RETRY_EVERY:
             self._start(now)
+        if wait > 0 and self.proc is not None:
+            self.first.wait(wait)
         with self.lock:
             if self.latest is not None and now - self.latest["t"] < max(5.0, 3 * self.ms / 1000.0):
                 return dict(self.latest)

@@ -16,6 +16,9 @@ from dynctl_agent.protocol import LIMITS, AgentError, Context, outcome, seconds
 
 # The worker (worker.py) runs this package from where this agent runs it, with the interpreter that runs it.
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# op_follow reads the event log every FOLLOW_FAST_S for FOLLOW_FAST_FOR_S after its last new line, then every
+# FOLLOW_S: a client waiting on a step's end hears it within tens of ms, a long quiet wait costs little.
+FOLLOW_FAST_S, FOLLOW_FAST_FOR_S, FOLLOW_S = 0.02, 1.0, 0.1
 _WORKER = os.path.join(_ROOT, "dynctl_agent", "worker.py")
 
 
@@ -161,6 +164,7 @@ def op_follow(ctx, op_id=None, from_line=0):
     pos = 0
     gone_since = None
     spot = None
+    heard = time.monotonic()
     while True:
         lines = []
         try:
@@ -196,6 +200,7 @@ def op_follow(ctx, op_id=None, from_line=0):
                 continue
         if lines:
             gone_since = None
+            heard = time.monotonic()
         else:
             holder = lock.live_holder(ctx)
             if holder is not None and holder.get("op") == op_id:
@@ -214,7 +219,8 @@ def op_follow(ctx, op_id=None, from_line=0):
                                 "seq": seen + 1})
                 yield {"ok": True, "op": verdict}
                 return
-        time.sleep(0.1)
+        # a step's next event (and the final one) often follows within moments: look again soon, then less often
+        time.sleep(FOLLOW_FAST_S if time.monotonic() - heard < FOLLOW_FAST_FOR_S else FOLLOW_S)
 
 
 def op_detach(ctx, op_id, kind=None):

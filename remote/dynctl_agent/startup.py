@@ -171,7 +171,7 @@ class _Probe(threading.Thread):
 TRACEBACK_EXIT_S = 2.0
 
 
-def wait_ready(ctx, ready_timeout=900.0, generate=True, poll=0.1):
+def wait_ready(ctx, ready_timeout=900.0, generate=True, poll=0.05):
     """Yield progress until the server answers ({"type": "log" | "warning" | "waiting", ...}); the last item is
     {"type": "ready", ...} or {"type": "failed", ...}."""
     rec = servers.read_pidfile(ctx)

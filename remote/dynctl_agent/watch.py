@@ -23,6 +23,9 @@ _LOG_CAP = 1 << 20  # most log bytes read per interval; a flood beyond that is s
 # patch's warnings that the threshold cannot act.
 _MARKS = ("Speculation enabled", "Speculation disabled", "SIGTERM received", "is not armed:", "never fires:")
 _MAX_MARKS = 200
+# How long the first sample waits for nvidia-smi's first block (20-30 ms on an H200 with persistence mode on,
+# more without it); one that comes later is in the next sample.
+FIRST_GPU_WAIT_S = 1.5
 _OWN_REQUESTS = tuple('"GET %s HTTP/1.1"' % p for p in ("/metrics", sglang.SERVER_INFO_PATHS[0], sglang.LOADS_PATH))
 
 
@@ -249,6 +252,8 @@ def watch(ctx, interval=1.0, log_lines=50, gpus=True, max_items=None, info_every
         previous = signal.signal(signal.SIGTERM, _sigterm)
     seq, slot, info_at, last_pid, last_http, loads_missing_at = 0, time.time(), None, None, None, None
     try:
+        if gpu:  # its first block is read while the rest of the first sample is taken
+            gpu.start(time.time())
         while True:
             start = time.time()
             budget = interval * 0.8
@@ -268,7 +273,9 @@ def watch(ctx, interval=1.0, log_lines=50, gpus=True, max_items=None, info_every
                 item["server_info"] = _server_info(ctx, max(0.05, start + budget - time.time()))
                 info_at = start
             last_pid, last_http = pid, item["metrics"]["ok"]
-            item["gpus"] = gpu.sample(start) if gpu else None
+            # the first item waits for nvidia-smi's first answer (a block is due every interval after it)
+            first_wait = max(0.0, start + FIRST_GPU_WAIT_S - time.time()) if seq == 0 else 0.0
+            item["gpus"] = gpu.sample(start, wait=first_wait) if gpu else None
             procs = holders.sample(start) if holders else None
             if procs is not None:
                 item["gpu_procs"] = procs
