@@ -158,7 +158,12 @@ def test_v1_loads_reports_the_batch_right_now_as_sglang_does(server, client):
         with other.stream("POST", "/generate", json={"text": "x", "stream": True,
                                                       "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}) as r:
             next(r.iter_lines())
-            busy = client.get("/v1/loads", params={"include": "core"}).json()
+            # the first chunk can leave before the scheduler files the request as running: poll, the stream open
+            deadline = time.monotonic() + 10
+            while True:
+                busy = client.get("/v1/loads", params={"include": "core"}).json()
+                if busy["loads"][0]["num_running_reqs"] or time.monotonic() > deadline:
+                    break
     [rank] = busy["loads"]
     assert rank["num_running_reqs"] == 1 and busy["aggregate"]["total_reqs"] == 1
     assert "queues" not in rank and "disaggregation" not in rank  # only the sections asked for
