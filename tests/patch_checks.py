@@ -24,7 +24,8 @@ WORKER_METHODS_0_5_14 = {"_skip_speculation", "_init_spec_disable", "_capture_sp
                          "_spec_disable_plain_target", "_forward_batch_generation_no_spec",
                          "_spec_disable_threshold", "_spec_disable_keeps_recurrent_state",
                          "_spec_disable_target_decode", "_spec_disable_clear_read_done",
-                         "_spec_disable_hand_over_read_done", "_spec_disable_keeps_verify"}
+                         "_spec_disable_hand_over_read_done", "_spec_disable_keeps_verify",
+                         "_spec_disable_decide_early"}
 
 
 def takes_schedule_batch(variant: str) -> bool:
@@ -119,8 +120,13 @@ def check_eagle_worker(text: str, variant: str = "0.5.12") -> None:
     assert wanted <= methods, f"missing methods: {wanted - methods}"
     first = _method(cls, "forward_batch_generation").body[0]
     if takes_schedule_batch(variant):
-        assert isinstance(first, ast.If) and ast.unparse(first.test) == "self._skip_speculation(batch)"
-        assert ast.unparse(first.body[0]) == "return self._forward_batch_generation_no_spec(batch, on_publish)"
+        # the decision taken when the scheduler resolved the step's inputs (the long-lived ScheduleBatch
+        # must not carry it to the next step), else taken here
+        assert ast.unparse(first) == "plain = batch.__dict__.pop('_spec_disable_plain', None)"
+        second = _method(cls, "forward_batch_generation").body[1]
+        assert isinstance(second, ast.If) and ast.unparse(second.test) == (
+            "self._skip_speculation(batch) if plain is None else plain")
+        assert ast.unparse(second.body[0]) == "return self._forward_batch_generation_no_spec(batch, on_publish)"
     else:
         # the decision taken when the scheduler resolved the step's inputs, else taken here
         assert ast.unparse(first) == "plain = getattr(model_worker_batch, '_spec_disable_plain', None)"
@@ -172,6 +178,27 @@ def check_lean_plain_step(texts: dict[str, str]) -> None:
         "self.future_map._spec_disable_decide = self.draft_worker._spec_disable_decide_early")
 
 
+def check_lean_plain_step_schedule_batch(texts: dict[str, str]) -> None:
+    """sglang 0.5.14 on: a plain-decode step resolves and stores only the bonus tokens, and the scheduler
+    does not snapshot the whole batch around it."""
+    overlap = _class(ast.parse(texts["srt/managers/overlap_utils.py"]), "FutureMap")
+    resolve = ast.unparse(_method(overlap, "_resolve_spec_extras"))
+    assert "decide = getattr(self, '_spec_disable_decide', None)" in resolve
+    assert resolve.index("indices.record_stream(") < resolve.index("_spec_disable_decide") < resolve.index(
+        "gather_spec_extras(")
+    stash = ast.unparse(_method(overlap, "stash"))
+    assert stash.index("payload.topk_p is None and self._forward_buf_initialized") < stash.index(
+        "if not self._forward_buf_initialized:")
+    cls = _class(ast.parse(texts["srt/managers/scheduler.py"]), "Scheduler")
+    init = ast.unparse(_method(cls, "__init__"))
+    assert init.index("self.init_overlap()") < init.index(
+        "self.future_map._spec_disable_decide = self.draft_worker._spec_disable_decide_early")
+    isolation = ast.unparse(_method(cls, "_forward_isolation"))
+    assert isolation.index("snapshot_v2_full = not batch.spec_algorithm.is_none()") < isolation.index(
+        "if snapshot_v2_full and getattr(batch, '_spec_disable_plain', False):") < isolation.index(
+        "sched_snapshot = ")
+
+
 def check_all(texts: dict[str, str], variant: str = "0.5.12") -> None:
     check_server_args(texts["srt/server_args.py"], variant)
     check_scheduler(texts["srt/managers/scheduler.py"])
@@ -179,6 +206,8 @@ def check_all(texts: dict[str, str], variant: str = "0.5.12") -> None:
     ast.parse(texts["srt/speculative/spec_batch_threshold.py"])
     if variant == "0.5.12":
         check_lean_plain_step(texts)
+    elif takes_schedule_batch(variant):
+        check_lean_plain_step_schedule_batch(texts)
 
 
 def unpatched_text(version: str, path: str, text: str) -> str:

@@ -330,12 +330,15 @@ def test_a_missing_target_file_is_refused() -> None:
 ])
 def test_strategy_for_supported_versions(version: str, strategy: str) -> None:
     assert strategy_for(version) == strategy
-    # 0.5.12 also changes the scheduler's FutureMap and prepare_for_decode for the lean plain step
-    lean = ["srt/managers/overlap_utils.py", "srt/speculative/eagle_info_v2.py"] if version == "0.5.12" else []
+    # 0.5.12 also changes the scheduler's FutureMap and prepare_for_decode for the lean plain step,
+    # 0.5.14 on the FutureMap (in the variants' file order)
+    files = ["srt/server_args.py", "srt/managers/scheduler.py", "srt/speculative/eagle_worker_v2.py"]
+    if version == "0.5.12":
+        files += ["srt/managers/overlap_utils.py", "srt/speculative/eagle_info_v2.py"]
+    elif version.startswith("0.5.14"):
+        files.insert(2, "srt/managers/overlap_utils.py")
     assert TARGET_FILES(version) == ([] if strategy == "native" else
-                                     ["srt/server_args.py", "srt/managers/scheduler.py",
-                                      "srt/speculative/eagle_worker_v2.py"] + lean
-                                     + ["srt/speculative/spec_batch_threshold.py"])
+                                     files + ["srt/speculative/spec_batch_threshold.py"])
 
 
 @pytest.mark.parametrize(("version", "why"), [
@@ -411,9 +414,6 @@ def _function(text: str, cls_name: str | None, name: str) -> ast.FunctionDef:
 
 
 # Where each release keeps what the ScheduleBatch fast path reads (the adapter fragments follow these).
-_CACHE_LOCS = {"0.5.14": "srt/speculative/triton_ops/cache_locs.py", "0.5.15": "srt/speculative/triton_ops/cache_locs.py",
-               "0.5.16": "kernels/ops/speculative/cache_locs.py", "0.5.17": "kernels/ops/speculative/cache_locs.py",
-               "0.5.18": "kernels/ops/speculative/cache_locs.py"}
 _CAPTURE_MODE_KEYWORD = {"0.5.16", "0.5.17", "0.5.18"}  # ScheduleBatch lost capture_hidden_mode: a forward keyword
 _RANKS_IN_PS = {"0.5.16", "0.5.17", "0.5.18"}  # the worker's ranks are in self.ps (the adapter's tp_rank property)
 _GRAMMAR_BARRIER = {"0.5.17", "0.5.18"}  # forward_batch_generation's grammar_barrier
@@ -473,14 +473,24 @@ def test_what_the_schedule_batch_fast_path_uses_exists_in_the_release(version: s
     assert "stride = result.speculative_num_draft_tokens" in processor
     assert "accept_tokens = next_token_ids[i * stride : i * stride + accept_lens[i]]" in processor
 
-    if variant == "0.5.14":  # the module the 0.5.14 variant imports it from
-        info_v2 = _source(version, "srt/speculative/eagle_info_v2.py")
-        assert "assign_extend_cache_locs_func as assign_extend_cache_locs_func" in info_v2
-    else:
-        assert wheel_text(version, "srt/speculative/eagle_info_v2.py") is None
-    func = _function(_source(version, _CACHE_LOCS[variant]), None, "assign_extend_cache_locs_func")
-    assert [a.arg for a in func.args.args] == ["req_pool_indices", "req_to_token", "start_offset", "end_offset",
-                                               "batch_size", "draft_token_num", "device"]
+    # the plain step reads the first of a request's allocated slots from the pool at seq_len
+    pool = _source(version, "srt/mem_cache/memory_pool.py")
+    assert "self.req_to_token = torch.zeros(" in ast.unparse(_function(pool, "ReqToTokenPool", "__init__"))
+    # the FutureMap members the lean resolve and stash read (bonus tokens only on a plain step)
+    overlap = _source(version, "srt/managers/overlap_utils.py")
+    future_map = _self_attrs(overlap, "FutureMap")
+    assert {"output_tokens_buf", "need_topk", "topk_p_buf", "topk_index_buf", "need_hidden_states",
+            "hidden_states_buf", "_forward_buf_initialized"} <= future_map
+    stash = ast.unparse(_function(overlap, "FutureMap", "stash"))
+    assert "self.output_tokens_buf[indices] = " in stash and "self._lazy_init_forward_buf(" in stash
+    resolve = ast.unparse(_function(overlap, "FutureMap", "_resolve_spec_extras"))
+    assert "indices = draft_input.future_indices" in resolve and "draft_input.bonus_tokens = " in resolve
+    # the scheduler snapshots a speculative batch whole around the worker, other batches' sampling info only
+    isolation = ast.unparse(_function(_source(version, "srt/managers/scheduler.py"), "Scheduler", "_forward_isolation"))
+    assert "if snapshot_v2_full else None" in isolation and "batch.sampling_info = sched_sampling_info" in isolation
+    # a spec step's logprobs: one row per request of its accepted tokens, top-k flat at i * row + j
+    assert "accepted_logprobs = next_token_logprobs[i]" in processor
+    assert "flat_idx = i * max_accept + j" in processor
     assert "def record_stream_each(tensors, stream):" in _source(version, "srt/speculative/spec_utils.py")
 
     worker = _source(version, "srt/speculative/eagle_worker_v2.py")
@@ -491,7 +501,7 @@ def test_what_the_schedule_batch_fast_path_uses_exists_in_the_release(version: s
     rank = "ps" if variant in _RANKS_IN_PS else "tp_rank"
     war_runner, war_event = _WAR.get(variant, _WAR_BEFORE)
     assert {"server_args", rank, "device", "speculative_num_draft_tokens", "req_to_token_pool",
-            "target_worker", "draft_worker", war_runner, "_stub_skipped_draft_extend"} <= eagle
+            "target_worker", "draft_worker", war_runner} <= eagle
     if rank == "ps":  # nothing of the release's own sets self.tp_rank, which the adapter makes a property
         assert "tp_rank" not in eagle
         assert "self.ps.tp_rank" in worker
@@ -512,11 +522,6 @@ def test_what_the_schedule_batch_fast_path_uses_exists_in_the_release(version: s
                  "accept_lens=accept_lens", "new_seq_lens=new_seq_lens",
                  "next_draft_input = EagleDraftInput(bonus_tokens=bonus_tokens)"):
         assert used in verify, used
-    stub = ast.unparse(_function(worker, "EAGLEWorkerV2", "_stub_skipped_draft_extend"))
-    assert [a.arg for a in _function(worker, "EAGLEWorkerV2", "_stub_skipped_draft_extend").args.args] == [
-        "self", "batch", "batch_output"]
-    assert "next_draft_input.topk_p" in stub and "next_draft_input.hidden_states" in stub
-
     # the scheduler passes on_publish (the FutureMap), stashes next_draft_input, and its write-after-read
     # barrier waits on the spec worker's runner's read-done event, else on the whole forward
     scheduler = _source(version, "srt/managers/scheduler.py")
