@@ -201,10 +201,12 @@ def read_metrics(url):
     return out
 
 
-def sweep_level(url, c, prompts, max_new_tokens, warmup, window, windows, rng_seed=1, logprob_every=0):
+def sweep_level(url, c, prompts, max_new_tokens, warmup, window, windows, rng_seed=1, logprob_every=0,
+                on_measure=None):
     """Closed loop of `c` workers; after `warmup` s, `windows` back-to-back windows of `window` s each,
     measured with the server's own counters (generated tokens and decode steps per window) and the
-    requests that completed in each; then the workers stop after their request in flight."""
+    requests that completed in each; then the workers stop after their request in flight.
+    `on_measure(start)`: called with True when the windows begin and False when they end."""
     rng = random.Random(rng_seed + c)
     stop = threading.Event()
     lock = threading.Lock()
@@ -236,10 +238,14 @@ def sweep_level(url, c, prompts, max_new_tokens, warmup, window, windows, rng_se
     for th in threads:
         th.start()
     time.sleep(warmup)
+    if on_measure:
+        on_measure(True)
     marks = [(time.time(), read_metrics(url))]
     for _ in range(windows):
         time.sleep(window)
         marks.append((time.time(), read_metrics(url)))
+    if on_measure:
+        on_measure(False)
     stop.set()
     for th in threads:
         th.join(timeout=600)

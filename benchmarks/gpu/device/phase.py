@@ -836,6 +836,7 @@ def phase_profile(a):
                     say(f"  profile {label} c{c}: {pr.get('error', 'no trace')}")
     for label, rs in rows.items():
         json.dump(runinfo.stamp(rs, RUN), open(os.path.join(RES, f"steady-{label}.json"), "w"), indent=1)
+    closed_loop(servers, modes, pyspy, spy_s)
     profiles = {f"{r['label']}-c{r['concurrency']}": r["profile"] for rs in rows.values() for r in rs
                 if "wall_us" in (r.get("profile") or {})}
     diffs = {}
@@ -854,6 +855,50 @@ def phase_profile(a):
     shutil.rmtree(trace_dir, ignore_errors=True)  # summarised; too large to return
     for s in servers.values():
         s.stop()
+
+
+def closed_loop(servers, modes, pyspy, spy_s):
+    """At CLOSED_LEVELS, the speed phase's closed loop (128 new tokens per request, prefills mixed in)
+    on every mode in turn, with the servers' whole /metrics text at the window's start and end and,
+    where py-spy travelled, the scheduler sampled during the window: where a closed loop's time goes
+    beyond the decode steps that the steady levels time."""
+    levels = [int(x) for x in os.environ.get("CLOSED_LEVELS", "").split(",") if x]
+    if levels and PROMPTS is None:
+        prompts_file()
+    rows = {label: [] for label, _, _ in modes}
+    for c in levels:
+        if left() < 15 * len(modes):
+            say(f"closed loop: stopped before c{c}, budget")
+            break
+        for label, name, threshold in modes:
+            s = servers[name]
+            if threshold is not None:
+                client.set_threshold(s.url, threshold)
+            tag = f"closed-{label}-c{c}"
+            spy = []
+
+            def on_measure(start, s=s, tag=tag, spy=spy):
+                with open(os.path.join(RES, f"{tag}-metrics-{'start' if start else 'end'}.txt"), "w") as f:
+                    f.write(client.get(s.url, "/metrics", timeout=30))
+                if start and pyspy:
+                    spy.append(subprocess.Popen(
+                        pyspy + ["--duration", str(max(1, round(spy_s))), "--rate", "1000", "--format", "raw",
+                                 "--nonblocking", "--output", os.path.join(RES, f"pyspy-{tag}.txt"),
+                                 "--pid", str(scheduler_pid(s))],
+                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+
+            r = client.sweep_level(s.url, c, PROMPTS, 128, warmup=float(os.environ.get("CLOSED_WARMUP", "1.5")),
+                                   window=max(spy_s, 1.0), windows=2, on_measure=on_measure)
+            for proc in spy:
+                proc.wait(timeout=60)
+            r["label"] = label
+            rows[label].append(r)
+        say(f"closed c{c}: " + ", ".join(
+            f"{label}={rows[label][-1]['tok_s']:.0f}tok/s±{rows[label][-1]['spread_pct']:.0f}%"
+            f"({rows[label][-1]['step_ms']}ms/decode step)" for label, _, _ in modes if rows[label]))
+    for label, rs in rows.items():
+        if rs:
+            json.dump(runinfo.stamp(rs, RUN), open(os.path.join(RES, f"closed-{label}.json"), "w"), indent=1)
 
 
 def interleaved(servers, modes):
