@@ -72,12 +72,27 @@ def left():
     return BUDGET - (time.time() - T0)
 
 
-def extract(tar, dest):
-    if not os.path.isdir(dest):
-        shutil.rmtree(dest + ".part", ignore_errors=True)
+def extract(tar, dest, over=None):
+    """`tar` unpacked at `dest` (over a copy of the folder `over`, for a tarball of changed files only),
+    again whenever the tarball differs from the one unpacked there (a warm machine keeps ENV)."""
+    st = os.stat(tar)
+    stamp = f"{os.path.basename(tar)} {st.st_size} {int(st.st_mtime)} {over or ''}"
+    try:
+        current = open(dest + ".stamp").read()
+    except OSError:
+        current = None
+    if os.path.isdir(dest) and current == stamp:
+        return
+    shutil.rmtree(dest, ignore_errors=True)
+    shutil.rmtree(dest + ".part", ignore_errors=True)
+    if over:
+        shutil.copytree(over, dest + ".part", symlinks=True)
+    else:
         os.makedirs(dest + ".part")
-        subprocess.run(["tar", "-xJf", tar, "-C", dest + ".part"], check=True)
-        os.rename(dest + ".part", dest)
+    subprocess.run(["tar", "-xJf", tar, "-C", dest + ".part"], check=True)
+    os.rename(dest + ".part", dest)
+    with open(dest + ".stamp", "w") as f:
+        f.write(stamp)
 
 
 def is_native(version):
@@ -91,7 +106,14 @@ def tree_env(version, kind, copy_as=None):
     extract(os.path.join(CARRY, "site.tar.xz"), os.path.join(ENV, "site"))
     extract(os.path.join(CARRY, f"kernels-{kv}.tar.xz"), os.path.join(ENV, f"kernels-{kv}"))
     t = f"sglang-{version}-{kind}"
-    extract(os.path.join(CARRY, t + ".tar.xz"), os.path.join(ENV, t))
+    changed = os.path.join(CARRY, t + ".files.tar.xz")
+    if not os.path.exists(os.path.join(CARRY, t + ".tar.xz")) and os.path.exists(changed):
+        # a patched tree carried as the files the patch changes, laid over the pristine tree
+        pristine = f"sglang-{version}-pristine"
+        extract(os.path.join(CARRY, pristine + ".tar.xz"), os.path.join(ENV, pristine))
+        extract(changed, os.path.join(ENV, t), over=os.path.join(ENV, pristine))
+    else:
+        extract(os.path.join(CARRY, t + ".tar.xz"), os.path.join(ENV, t))
     tree = os.path.join(ENV, t)
     if copy_as:
         tree = os.path.join(ENV, copy_as)
