@@ -740,7 +740,8 @@ def py_spy():
                         wheels[0]], capture_output=True)
     exe = glob.glob(os.path.join(dest, "bin", "py-spy")) + glob.glob(os.path.join(dest, "*", "bin", "py-spy"))
     if exe and subprocess.run([exe[0], "--version"], capture_output=True).returncode == 0:
-        return [exe[0], "record"]
+        # PYSPY_IDLE=1: idle samples too (where the scheduler blocks, not only where it computes)
+        return [exe[0], "record"] + (["--idle"] if os.environ.get("PYSPY_IDLE") == "1" else [])
     say("py-spy: not usable")
     return None
 
