@@ -29,7 +29,9 @@ WORKER_METHODS_0_5_14 = {"_skip_speculation", "_init_spec_disable", "_capture_sp
 
 # Variants whose plain-decode step also cuts the speculative scheduler's bookkeeping (FutureMap, host
 # lengths, one token per request).
-LEAN_PLAIN_STEP_VARIANTS = ("0.5.8", "0.5.12")
+LEAN_PLAIN_STEP_VARIANTS = ("0.5.6", "0.5.7", "0.5.8", "0.5.12")
+# ... of which these also patch the output processor to read one token per request from a plain step's result.
+STRIDE_FROM_RESULT_VARIANTS = ("0.5.8",)
 
 
 def takes_schedule_batch(variant: str) -> bool:
@@ -159,8 +161,8 @@ def undefined_names(tree: ast.Module, cls: ast.ClassDef, methods: set[str]) -> s
 
 
 def check_lean_plain_step(texts: dict[str, str], variant: str = "0.5.12") -> None:
-    """sglang 0.5.8-0.5.12: a plain-decode step resolves and stores only what it reads, its lengths are
-    not copied back from the device, and the scheduler reads one token per request from its result."""
+    """sglang 0.5.6-0.5.12: a plain-decode step resolves and stores only what it reads and its lengths are
+    not copied back from the device; 0.5.8-0.5.11: the scheduler reads one token per request from its result."""
     bonus = "bonus_tokens" if variant == "0.5.12" else "verified_id"
     overlap = _class(ast.parse(texts["srt/managers/overlap_utils.py"]), "FutureMap")
     resolve = ast.unparse(_method(overlap, "resolve_future"))
@@ -176,16 +178,17 @@ def check_lean_plain_step(texts: dict[str, str], variant: str = "0.5.12") -> Non
     assert f"draft_input.{bonus} = self.{bonus}_buf[indices]" in plain
     assert "draft_input.new_seq_lens = self.new_seq_lens_buf[indices]" in plain
     store = ast.unparse(_method(overlap, "store_to_map_for_new_batch"))
-    assert store.index("if draft_input.topk_p is None and self.buf_initialized:") < store.index(
-        "if not self.buf_initialized:")
-    assert f"self.{bonus}_buf[intv] = draft_input.{bonus}" in store.split("if not self.buf_initialized:")[0]
+    # before the buffers are first initialised (0.5.6: by a call that returns once they are)
+    lazy = "if not self.buf_initialized:" if variant != "0.5.6" else "self._lazy_init_buf(draft_input)"
+    assert store.index("if draft_input.topk_p is None and self.buf_initialized:") < store.index(lazy)
+    assert f"self.{bonus}_buf[intv] = draft_input.{bonus}" in store.split(lazy)[0]
     mixin = _class(ast.parse(texts["srt/speculative/eagle_info_v2.py"]), "EagleDraftInputV2Mixin")
     prepare = ast.unparse(_method(mixin, "prepare_for_decode"))
     assert prepare.index("known = known_seq_lens(self, batch)") < prepare.index("batch.seq_lens.cpu()")
     scheduler = ast.unparse(_method(_class(ast.parse(texts["srt/managers/scheduler.py"]), "Scheduler"), "__init__"))
     assert scheduler.index("self.init_overlap()") < scheduler.index(
         "self.future_map._spec_disable_decide = self.draft_worker._spec_disable_decide_early")
-    if variant != "0.5.12":  # 0.5.12's own scheduler reads the stride from the result
+    if variant in STRIDE_FROM_RESULT_VARIANTS:  # 0.5.12's own scheduler reads the stride from the result
         processor = ast.parse(texts["srt/managers/scheduler_output_processor_mixin.py"])
         resolve_tokens = ast.unparse(_method(_class(processor, "SchedulerOutputProcessorMixin"),
                                              "_resolve_spec_overlap_token_ids"))

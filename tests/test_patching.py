@@ -237,17 +237,18 @@ def _method_node(cls: ast.ClassDef, name: str) -> ast.FunctionDef:
     return next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == name)
 
 
-# --------------------------------------------------------------------------- the lean plain step (0.5.8-0.5.12)
+# --------------------------------------------------------------------------- the lean plain step (0.5.6-0.5.12)
 
-LEAN_VERSIONS = ["0.5.8", "0.5.9", "0.5.10", "0.5.11", "0.5.12"]
+LEAN_VERSIONS = ["0.5.6", "0.5.7", "0.5.8", "0.5.9", "0.5.10", "0.5.11", "0.5.12"]
 
 
 @pytest.mark.parametrize("part", ["resolve", "store"])
-def test_the_0_5_8_futuremap_pieces_are_0_5_12s_but_for_the_bonus_field(part: str) -> None:
-    """The two releases' FutureMap insertions differ only in what 0.5.12 renamed (verified_id -> bonus_tokens)."""
+def test_the_older_futuremap_pieces_are_0_5_12s_but_for_the_bonus_field(part: str) -> None:
+    """0.5.6-0.5.11's FutureMap insertions differ from 0.5.12's only in what 0.5.12 renamed
+    (verified_id -> bonus_tokens)."""
     from dynctl.patching.recipe import fragment_text
 
-    ours = fragment_text(f"overlap_utils.{part}-0.5.8")
+    ours = fragment_text(f"overlap_utils.{part}-0.5.6")
     assert "bonus_tokens" not in ours and "verified_id" in ours
     assert ours.replace("verified_id", "bonus_tokens") == fragment_text(f"overlap_utils.{part}-0.5.12.pyfrag")
 
@@ -261,7 +262,8 @@ def test_what_the_lean_plain_step_relies_on_holds_in_the_release(version: str) -
     result = _dataclass_fields(wheel_text(version, "srt/managers/utils.py"), "GenerationBatchResult")
     assert ("speculative_num_draft_tokens" in result) is (variant == "0.5.12")
     processor = wheel_text(version, "srt/managers/scheduler_output_processor_mixin.py")
-    assert processor.count("stride") == (4 if variant == "0.5.12" else 3)  # set once, read in the one slice
+    # set once, read in the one slice (0.5.12: and asserted)
+    assert processor.count("stride") == (4 if variant == "0.5.12" else 3)
     assert "next_token_ids[i * stride : i * stride + accept_lens[i]]" in processor
     assert "    def _resolve_spec_overlap_token" in processor
 
@@ -281,7 +283,9 @@ def test_what_the_lean_plain_step_relies_on_holds_in_the_release(version: str) -
     assert "self.model_worker = self.draft_worker" in scheduler
     init = ast.unparse(_method_node(next(n for n in ast.walk(ast.parse(scheduler)) if isinstance(n, ast.ClassDef)
                                          and n.name == "Scheduler"), "__init__"))
-    assert init.index("self.init_model_worker()") < init.index("self.init_overlap()")  # the worker exists
+    # the spec worker exists when the FutureMap is handed its decision (0.5.6 builds it in __init__ itself)
+    built = "self.init_model_worker()" if variant != "0.5.6" else "self.draft_worker = "
+    assert init.index(built) < init.index("self.init_overlap()")
 
     # known_seq_lens: a filtered batch keeps its rows' host lengths and its future interval; a merged one
     # gets future indices without an interval.
@@ -446,11 +450,11 @@ def test_a_missing_target_file_is_refused() -> None:
 ])
 def test_strategy_for_supported_versions(version: str, strategy: str) -> None:
     assert strategy_for(version) == strategy
-    # 0.5.8-0.5.12 also change the scheduler's FutureMap and prepare_for_decode for the lean plain step, and
+    # 0.5.6-0.5.12 also change the scheduler's FutureMap and prepare_for_decode for the lean plain step, and
     # 0.5.8-0.5.11 the output processor's token stride (0.5.12 reads it from the result)
     variant = variant_for(version) if strategy == "patch" else None
     lean = (["srt/managers/overlap_utils.py", "srt/speculative/eagle_info_v2.py"]
-            if variant in ("0.5.8", "0.5.12") else [])
+            if variant in ("0.5.6", "0.5.7", "0.5.8", "0.5.12") else [])
     lean += ["srt/managers/scheduler_output_processor_mixin.py"] if variant == "0.5.8" else []
     assert TARGET_FILES(version) == ([] if strategy == "native" else
                                      ["srt/server_args.py", "srt/managers/scheduler.py",
