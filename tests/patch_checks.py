@@ -28,6 +28,13 @@ WORKER_METHODS_0_5_14 = {"_skip_speculation", "_init_spec_disable", "_capture_sp
                          "_spec_disable_decide_early"}
 
 
+# Variants whose plain-decode step also cuts the speculative scheduler's bookkeeping (FutureMap, host
+# lengths, one token per request).
+LEAN_PLAIN_STEP_VARIANTS = ("0.5.6", "0.5.7", "0.5.8", "0.5.12")
+# ... of which these also patch the output processor to read one token per request from a plain step's result.
+STRIDE_FROM_RESULT_VARIANTS = ("0.5.8",)
+
+
 def takes_schedule_batch(variant: str) -> bool:
     """Variants of the releases whose worker takes the ScheduleBatch (0.5.14 and later)."""
     return parse_version(variant) >= (0, 5, 14)
@@ -159,23 +166,41 @@ def undefined_names(tree: ast.Module, cls: ast.ClassDef, methods: set[str]) -> s
     return missing
 
 
-def check_lean_plain_step(texts: dict[str, str]) -> None:
-    """sglang 0.5.12: a plain-decode step resolves and stores only what it reads, and its lengths are
-    not copied back from the device."""
+def check_lean_plain_step(texts: dict[str, str], variant: str = "0.5.12") -> None:
+    """sglang 0.5.6-0.5.12: a plain-decode step resolves and stores only what it reads and its lengths are
+    not copied back from the device; 0.5.8-0.5.11: the scheduler reads one token per request from its result."""
+    bonus = "bonus_tokens" if variant == "0.5.12" else "verified_id"
     overlap = _class(ast.parse(texts["srt/managers/overlap_utils.py"]), "FutureMap")
     resolve = ast.unparse(_method(overlap, "resolve_future"))
     assert "decide = getattr(self, '_spec_disable_decide', None)" in resolve
-    assert resolve.index("indices.record_stream(") < resolve.index("_spec_disable_decide") < resolve.index(
+    # after the release keeps the indices alive on the forward stream (0.5.8 does not), before any gather
+    assert resolve.index("indices = draft_input.future_indices.indices") < resolve.index("_spec_disable_decide")
+    if "indices.record_stream(" in resolve:
+        assert resolve.index("indices.record_stream(") < resolve.index("_spec_disable_decide")
+    assert resolve.index("_spec_disable_decide") < resolve.index(
         "draft_input.topk_p = self.topk_p_buf[indices]")
+    plain = resolve[resolve.index("if decide is not None and decide(model_worker_batch):"):]
+    plain = plain[: plain.index("return") + len("return")]
+    assert f"draft_input.{bonus} = self.{bonus}_buf[indices]" in plain
+    assert "draft_input.new_seq_lens = self.new_seq_lens_buf[indices]" in plain
     store = ast.unparse(_method(overlap, "store_to_map_for_new_batch"))
-    assert store.index("if draft_input.topk_p is None and self.buf_initialized:") < store.index(
-        "if not self.buf_initialized:")
+    # before the buffers are first initialised (0.5.6: by a call that returns once they are)
+    lazy = "if not self.buf_initialized:" if variant != "0.5.6" else "self._lazy_init_buf(draft_input)"
+    assert store.index("if draft_input.topk_p is None and self.buf_initialized:") < store.index(lazy)
+    assert f"self.{bonus}_buf[intv] = draft_input.{bonus}" in store.split(lazy)[0]
     mixin = _class(ast.parse(texts["srt/speculative/eagle_info_v2.py"]), "EagleDraftInputV2Mixin")
     prepare = ast.unparse(_method(mixin, "prepare_for_decode"))
     assert prepare.index("known = known_seq_lens(self, batch)") < prepare.index("batch.seq_lens.cpu()")
     scheduler = ast.unparse(_method(_class(ast.parse(texts["srt/managers/scheduler.py"]), "Scheduler"), "__init__"))
     assert scheduler.index("self.init_overlap()") < scheduler.index(
         "self.future_map._spec_disable_decide = self.draft_worker._spec_disable_decide_early")
+    if variant in STRIDE_FROM_RESULT_VARIANTS:  # 0.5.12's own scheduler reads the stride from the result
+        processor = ast.parse(texts["srt/managers/scheduler_output_processor_mixin.py"])
+        resolve_tokens = ast.unparse(_method(_class(processor, "SchedulerOutputProcessorMixin"),
+                                             "_resolve_spec_overlap_token_ids"))
+        assert resolve_tokens.index("stride = self.draft_worker.speculative_num_draft_tokens") < resolve_tokens.index(
+            "stride = getattr(result, 'speculative_num_draft_tokens', None) or stride") < resolve_tokens.index(
+            "next_token_ids[i * stride:i * stride + accept_lens[i]]")
 
 
 def check_lean_plain_step_schedule_batch(texts: dict[str, str]) -> None:
@@ -204,8 +229,8 @@ def check_all(texts: dict[str, str], variant: str = "0.5.12") -> None:
     check_scheduler(texts["srt/managers/scheduler.py"])
     check_eagle_worker(texts["srt/speculative/eagle_worker_v2.py"], variant)
     ast.parse(texts["srt/speculative/spec_batch_threshold.py"])
-    if variant == "0.5.12":
-        check_lean_plain_step(texts)
+    if variant in LEAN_PLAIN_STEP_VARIANTS:
+        check_lean_plain_step(texts, variant)
     elif takes_schedule_batch(variant):
         check_lean_plain_step_schedule_batch(texts)
 

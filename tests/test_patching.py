@@ -237,6 +237,126 @@ def _method_node(cls: ast.ClassDef, name: str) -> ast.FunctionDef:
     return next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == name)
 
 
+# --------------------------------------------------------------------------- the lean plain step (0.5.6-0.5.12)
+
+LEAN_VERSIONS = ["0.5.6", "0.5.7", "0.5.8", "0.5.9", "0.5.10", "0.5.11", "0.5.12"]
+
+
+@pytest.mark.parametrize("part", ["resolve", "store"])
+def test_the_older_futuremap_pieces_are_0_5_12s_but_for_the_bonus_field(part: str) -> None:
+    """0.5.6-0.5.11's FutureMap insertions differ from 0.5.12's only in what 0.5.12 renamed
+    (verified_id -> bonus_tokens)."""
+    from dynctl.patching.recipe import fragment_text
+
+    ours = fragment_text(f"overlap_utils.{part}-0.5.6")
+    assert "bonus_tokens" not in ours and "verified_id" in ours
+    assert ours.replace("verified_id", "bonus_tokens") == fragment_text(f"overlap_utils.{part}-0.5.12.pyfrag")
+
+
+@pytest.mark.parametrize("version", LEAN_VERSIONS)
+def test_what_the_lean_plain_step_relies_on_holds_in_the_release(version: str) -> None:
+    """The scheduler-side shortcuts of a plain step read what each release's scheduler does around it."""
+    variant = variant_for(version)
+    bonus = "bonus_tokens" if variant == "0.5.12" else "verified_id"
+    # A verify's result carries no stride of its own before 0.5.12 (getattr gives None: D tokens per request).
+    result = _dataclass_fields(wheel_text(version, "srt/managers/utils.py"), "GenerationBatchResult")
+    assert ("speculative_num_draft_tokens" in result) is (variant == "0.5.12")
+    processor = wheel_text(version, "srt/managers/scheduler_output_processor_mixin.py")
+    # set once, read in the one slice (0.5.12: and asserted)
+    assert processor.count("stride") == (4 if variant == "0.5.12" else 3)
+    assert "next_token_ids[i * stride : i * stride + accept_lens[i]]" in processor
+    assert "    def _resolve_spec_overlap_token" in processor
+
+    # The FutureMap: one buffer per draft field, the bonus tokens under the release's name, hidden states
+    # optional; resolve runs right before the spec worker's forward, on the same ModelWorkerBatch.
+    overlap = wheel_text(version, "srt/managers/overlap_utils.py")
+    for name in ("topk_p", "topk_index", bonus, "new_seq_lens"):
+        assert f"self.{name}_buf[intv] = draft_input.{name}" in overlap, name
+    assert "interval: Optional[slice] = None" in overlap
+    scheduler = wheel_text(version, "srt/managers/scheduler.py")
+    run_batch = ast.unparse(next(n for n in ast.walk(ast.parse(scheduler)) if isinstance(n, ast.FunctionDef)
+                                 and n.name == "run_batch"))
+    assert run_batch.index("self.future_map.resolve_future(model_worker_batch)") < run_batch.index(
+        "batch_result = self.model_worker.forward_batch_generation(model_worker_batch")
+    assert "batch.spec_info = batch_result.next_draft_input" in run_batch
+    assert "batch.spec_info.future_indices = future_indices" in run_batch
+    assert "self.model_worker = self.draft_worker" in scheduler
+    init = ast.unparse(_method_node(next(n for n in ast.walk(ast.parse(scheduler)) if isinstance(n, ast.ClassDef)
+                                         and n.name == "Scheduler"), "__init__"))
+    # the spec worker exists when the FutureMap is handed its decision (0.5.6 builds it in __init__ itself)
+    built = "self.init_model_worker()" if variant != "0.5.6" else "self.draft_worker = "
+    assert init.index(built) < init.index("self.init_overlap()")
+
+    # known_seq_lens: a filtered batch keeps its rows' host lengths and its future interval; a merged one
+    # gets future indices without an interval.
+    batch = wheel_text(version, "srt/managers/schedule_batch.py")
+    assert "self.seq_lens_cpu = self.seq_lens_cpu[keep_indices]" in batch
+    assert "self.reqs = [self.reqs[i] for i in keep_indices]" in batch
+    assert "self.seq_lens_cpu = torch.cat([self.seq_lens_cpu, other.seq_lens_cpu])" in batch
+    info = wheel_text(version, "srt/speculative/eagle_info.py")
+    assert "self.future_indices.indices = self.future_indices.indices[new_indices]" in info
+    assert "self.future_indices = FutureIndices(\n                indices=torch.cat(" in info
+    # prepare_for_decode ends with the host copy the plain step skips: nothing after it is skipped too
+    mixin = next(n for n in ast.walk(ast.parse(wheel_text(version, "srt/speculative/eagle_info_v2.py")))
+                 if isinstance(n, ast.ClassDef) and n.name == "EagleDraftInputV2Mixin")
+    tail = [ast.unparse(s) for s in _method_node(mixin, "prepare_for_decode").body[-2:]]
+    assert tail == ["batch.seq_lens_cpu = batch.seq_lens.cpu()", "batch.seq_lens_sum = batch.seq_lens_cpu.sum().item()"]
+
+
+class _HostTensor(list):
+    """A CPU tensor as _resolve_spec_overlap_token_ids reads one (is_cpu, tolist)."""
+
+    is_cpu = True
+
+    def tolist(self) -> list:
+        return list(self)
+
+
+def _resolve_tokens(text: str):
+    """The release's own (patched or pristine) _resolve_spec_overlap_token_ids, compiled from its source."""
+    cls = next(n for n in ast.walk(ast.parse(text)) if isinstance(n, ast.ClassDef)
+               and n.name == "SchedulerOutputProcessorMixin")
+    node = _method_node(cls, "_resolve_spec_overlap_token_ids")
+    namespace = {"List": list, "Scheduler": object, "GenerationBatchResult": object, "ScheduleBatch": object}
+    exec(compile(ast.Module(body=[node], type_ignores=[]), "scheduler_output_processor_mixin.py", "exec"), namespace)
+    return namespace["_resolve_spec_overlap_token_ids"]
+
+
+def _req():
+    import types
+
+    req = types.SimpleNamespace(kv_committed_len=10, spec_verify_ct=0, spec_accepted_tokens=0,
+                                spec_accepted_drafts=0)
+    req.update_spec_acceptance_histogram = lambda accepted: None
+    return req
+
+
+@pytest.mark.parametrize("version", ["0.5.8", "0.5.9", "0.5.10", "0.5.11"])
+def test_the_patched_scheduler_reads_one_token_per_request_after_a_plain_step(version: str) -> None:
+    """The release's own token resolution, patched, on a plain step's result (3 requests, D = 4, one token
+    each) and on a verify's (D tokens each, accept lengths 2, 1, 3); the pristine code misreads the first."""
+    import types
+
+    scheduler = types.SimpleNamespace(draft_worker=types.SimpleNamespace(speculative_num_draft_tokens=4))
+    plain = types.SimpleNamespace(next_token_ids=_HostTensor([7, 8, 9]), accept_lens=_HostTensor([1, 1, 1]),
+                                  speculative_num_draft_tokens=1)
+    verify = types.SimpleNamespace(next_token_ids=_HostTensor([1, 2, 0, 0, 3, 0, 0, 0, 4, 5, 6, 0]),
+                                   accept_lens=_HostTensor([2, 1, 3]))
+    patched = _resolve_tokens(_patched(version)["srt/managers/scheduler_output_processor_mixin.py"])
+    pristine = _resolve_tokens(originals(version)["srt/managers/scheduler_output_processor_mixin.py"])
+
+    def tokens(resolve, result):
+        batch = types.SimpleNamespace(reqs=[_req() for _ in range(3)])
+        return resolve(scheduler, result, batch), batch
+
+    got, batch = tokens(patched, plain)
+    assert got == [[7], [8], [9]]
+    assert [r.spec_verify_ct for r in batch.reqs] == [1, 1, 1]
+    assert tokens(patched, verify)[0] == [[1, 2], [3], [4, 5, 6]]
+    assert tokens(pristine, verify)[0] == [[1, 2], [3], [4, 5, 6]]
+    assert tokens(pristine, plain)[0] == [[7], [], []]  # what the stride-1 result would give unpatched
+
+
 # --------------------------------------------------------------------------- refusals
 
 
@@ -330,12 +450,16 @@ def test_a_missing_target_file_is_refused() -> None:
 ])
 def test_strategy_for_supported_versions(version: str, strategy: str) -> None:
     assert strategy_for(version) == strategy
-    # 0.5.12 also changes the scheduler's FutureMap and prepare_for_decode for the lean plain step,
-    # 0.5.14 on the FutureMap (in the variants' file order)
+    # 0.5.6-0.5.12 also change the scheduler's FutureMap and prepare_for_decode for the lean plain step,
+    # 0.5.8-0.5.11 the output processor's token stride (0.5.12 reads it from the result), and 0.5.14 on
+    # the FutureMap (in the variants' file order)
+    variant = variant_for(version) if strategy == "patch" else None
     files = ["srt/server_args.py", "srt/managers/scheduler.py", "srt/speculative/eagle_worker_v2.py"]
-    if version == "0.5.12":
+    if variant in ("0.5.6", "0.5.7", "0.5.8", "0.5.12"):
         files += ["srt/managers/overlap_utils.py", "srt/speculative/eagle_info_v2.py"]
-    elif version.startswith("0.5.14"):
+    if variant == "0.5.8":
+        files += ["srt/managers/scheduler_output_processor_mixin.py"]
+    elif variant == "0.5.14":
         files.insert(2, "srt/managers/overlap_utils.py")
     assert TARGET_FILES(version) == ([] if strategy == "native" else
                                      files + ["srt/speculative/spec_batch_threshold.py"])
