@@ -66,7 +66,8 @@ fi
 rm -rf "$DEST/wheels" "$BUILD/dynwhl"; mkdir -p "$DEST/wheels" "$BUILD/dynwhl"
 "$BUILD/dynv/bin/pip" wheel -q --no-deps -w "$DEST/wheels" "$DYNCTL_SRC"
 "${PIPDL[@]}" -d "$BUILD/dynwhl" paramiko cryptography bcrypt pynacl cffi pycparser invoke textual \
-  linkify-it-py mdit-py-plugins uc-micro-py platformdirs "plotext>=5.2.8,<6" "rich>=13" markdown-it-py mdurl
+  linkify-it-py mdit-py-plugins uc-micro-py platformdirs "plotext>=5.2.8,<6" "rich>=13" markdown-it-py mdurl \
+  tomlkit pyyaml
 cp "$BUILD"/dynwhl/*.whl "$DEST/wheels/"
 echo "wheels: $(ls "$DEST/wheels" | tr '\n' ' ')" >> "$DEST/MANIFEST"
 

@@ -440,6 +440,11 @@ def prompts_files():
     return p, p8
 
 
+def nan_detection(version):
+    """`--enable-nan-detection` where the release has it (0.5.14 on it is gone from the server args)."""
+    return [] if is_native(version) else ["--enable-nan-detection"]
+
+
 def deploy_strict(version, m, n, hosts=None):
     """`dynctl deploy --threshold N`, in a thread, of a server on a private copy of the pristine tree
     with strict memory checks and NaN detection (host "strict", port 30004; `hosts` adds more to the
@@ -448,7 +453,7 @@ def deploy_strict(version, m, n, hosts=None):
     strict_env = tree_env(version, "pristine", copy_as=f"sglang-{version}-dynctl")
     strict_env["SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY"] = "1"
     write_dynctl_config(version, m, dict(
-        {"strict": (30004, strict_env, common_args(m, True, ["--enable-nan-detection"]))}, **(hosts or {})))
+        {"strict": (30004, strict_env, common_args(m, True, nan_detection(version)))}, **(hosts or {})))
     deployed = {}
     deployer = threading.Thread(target=lambda: deployed.update(
         rc=dynctl(denv, "deploy", "--threshold", str(n), "--yes", "--host", "strict", timeout=500)[0]))
@@ -954,8 +959,8 @@ def phase_tp(a):
     env = dict(envs["patched"], NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1",
                SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY="1")
     s = Server(f"tp{a.tp}", 30020, env,
-               common_args(m, True, ["--tp", str(a.tp), "--speculative-disable-batch-threshold", "2",
-                                     "--enable-nan-detection"]))
+               common_args(m, True, ["--tp", str(a.tp), "--speculative-disable-batch-threshold", "2"]
+                           + nan_detection(a.version)))
     s.launch()
     if not s.wait_ready(timeout=max(30, left() - 40)):
         return
