@@ -682,6 +682,8 @@ def test_the_annotated_field_gives_the_flag_through_sglangs_own_cli_derivation(v
             sys.modules[fields_module.__name__] = fields_module
             exec("class Spec(msgspec.Struct):\n    _NS_PATH = 'spec'\n" + fragment_text(field), fields_module.__dict__)
             args_cls = fields_module.Spec
+            # /set_internal_state's override routes a key to the namespace of the class that declares it
+            assert module.namespace_of(args_cls)["speculative_disable_batch_threshold"] == "spec"
         else:
             exec("class Args:\n" + fragment_text(field), namespace)
             args_cls = dataclasses.dataclass(namespace["Args"])
