@@ -214,3 +214,80 @@ def test_without_the_patch_the_release_refuses_the_key(version: str) -> None:
     text = _wheel_text(version, INTERNAL_STATE)
     assert "speculative_disable_batch_threshold" not in text
     assert 'raise UpdateRejected(f"Updating {key} is not supported.")' in text
+
+
+# --------------------------------------------------------------------------- the worker's decision, per step
+
+
+class _Bag:
+    """The spec config bag get_spec() returns; /set_internal_state's override changes it (0.5.17 on)."""
+
+    speculative_disable_batch_threshold = 5
+
+
+class _Runner:
+    model_config = object()
+    decode_cuda_graph_runner = None  # an eager runner: no plain-decode graphs to capture
+
+
+def _worker(version: str, tmp_path: Path, args, bag: _Bag):
+    """The patched EAGLEWorkerV2's own arming, decision and adapter methods, on a worker whose models are
+    stand-ins (no torch here): what they read of the worker is set below."""
+    names = {"_skip_speculation", "_spec_disable_keeps_verify", "_init_spec_disable", "_spec_disable_threshold",
+             "_spec_disable_keeps_recurrent_state", "tp_rank"}
+    methods = [n for n in _definitions(_patched(version, WORKER), {"EAGLEWorkerV2"})[0].body
+               if isinstance(n, ast.FunctionDef) and n.name in names]
+    assert {n.name for n in methods} == names
+    namespace = {"__name__": "eagle_worker_v2", "logger": logging.getLogger("eagle_worker_v2"),
+                 "unsupported_reason": _reason(version, tmp_path), "get_spec": lambda: bag,
+                 "get_parallel": lambda: types.SimpleNamespace(tp_rank=0),
+                 "hybrid_arch": types.SimpleNamespace(mambaish_config=lambda model_config: None),
+                 "DecodeCudaGraphRunner": type("DecodeCudaGraphRunner", (), {}),
+                 **{name: getattr(sbt, name) for name in ("DRAFT_MODE_ENV", "DRAFT_SKIP", "SpecDisableMetrics",
+                                                          "SpecDisablePolicy", "draft_mode")}}
+    cls = ast.ClassDef(name="Worker", bases=[], keywords=[], body=methods, decorator_list=[])
+    worker_cls = _run([ast.fix_missing_locations(ast.copy_location(cls, methods[0]))], namespace, WORKER)["Worker"]
+    worker = worker_cls.__new__(worker_cls)
+    worker.server_args = args
+    worker.ps = types.SimpleNamespace(tp_rank=0)  # 0.5.19, 0.5.20: the worker's ParallelState
+    worker.target_worker = types.SimpleNamespace(model_runner=_Runner())
+    worker._spec_disable_warm_positions = lambda: None
+    return worker
+
+
+def _decode(batch_size: int):
+    mode = types.SimpleNamespace(is_decode=lambda: True)
+    return types.SimpleNamespace(forward_mode=mode, is_extend_in_batch=False, spec_info=object(),
+                                 seq_lens=[0] * batch_size, has_grammar=False, return_logprob=False,
+                                 return_hidden_states=False)
+
+
+@pytest.mark.parametrize("version", ["0.5.19", "0.5.21", "0.5.22"])
+def test_decode_steps_above_the_live_threshold_skip_speculation(version: str, tmp_path: Path,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    bag = _Bag()
+    worker = _worker(version, tmp_path, _args(enable_metrics_for_all_schedulers=False), bag)
+    with caplog.at_level(logging.INFO, logger="eagle_worker_v2"):
+        steps = [worker._skip_speculation(_decode(n)) for n in (3, 5, 6, 9)]
+        bag.speculative_disable_batch_threshold = 8  # what /set_internal_state's override puts in the bag
+        steps += [worker._skip_speculation(_decode(n)) for n in (9, 8)]
+    assert steps == [False, False, True, True, True, False]
+    assert [r.getMessage() for r in caplog.records] == [
+        "Speculation disabled: batch size 6 > threshold 5", "Speculation enabled: batch size 8 <= threshold 8"]
+
+
+@pytest.mark.parametrize("version", ["0.5.19", "0.5.22"])
+@pytest.mark.parametrize(("declared", "fields", "reason"), [
+    ({}, {"pp_size": 2}, "pipeline parallelism is enabled (pp_size=2)"),
+    ({"enable_lora": True}, {}, "LoRA is enabled"),
+    ({"speculative_eagle_topk": 4}, {"speculative_eagle_topk": None}, "speculative_eagle_topk=4"),
+])
+def test_a_server_that_cannot_arm_always_speculates_and_says_why_once(
+        version: str, declared: dict, fields: dict, reason: str, tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    worker = _worker(version, tmp_path, _args(declared, enable_metrics_for_all_schedulers=False, **fields), _Bag())
+    with caplog.at_level(logging.INFO, logger="eagle_worker_v2"):
+        assert [worker._skip_speculation(_decode(n)) for n in (64, 128)] == [False, False]
+    [message] = [r.getMessage() for r in caplog.records]
+    assert message.startswith(f"speculative_disable_batch_threshold=5 is not armed: {reason}")
+    assert message.endswith(". Speculation is never disabled.")
