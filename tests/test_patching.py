@@ -25,6 +25,7 @@ from dynctl.patching import (
     variant_for,
 )
 from dynctl.patching.recipe import NEW_MODULE, SERVER_ARGS, recipes, target_files
+from dynctl.patching.versions import strategy_note, unmeasured_note
 
 PATCH_VERSIONS = ["0.5.6", "0.5.7", "0.5.8", "0.5.9", "0.5.10", "0.5.11", "0.5.12"]
 # Releases whose worker takes a ScheduleBatch (their own contract tests below).
