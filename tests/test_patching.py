@@ -111,6 +111,11 @@ def test_variants_follow_the_release_matrix() -> None:
     assert [variant_for(v) for v in ("0.5.18", "0.5.19", "0.5.20", "0.5.21", "0.5.22")] == [
         "0.5.18", "0.5.19", "0.5.20", "0.5.21", "0.5.22"]
     assert variant_for("0.5.23") == variant_for("0.5.23.post1") == "0.5.22"
+    for version in ("0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23"):  # what plan, deploy and status say
+        assert strategy_note(version, "patch") == unmeasured_note(version)
+        assert unmeasured_note(version).startswith(f"patch not measured on a GPU for sglang {version}: ")
+        assert strategy_note(version, "native") == (f"a patch variant for sglang {version} exists but is not "
+                                                    f'measured on a GPU; strategy = "patch" takes it')
     for version in ("0.5.24", "0.6.0", "0.5.13", "0.5.5"):
         with pytest.raises(PreflightError):
             variant_for(version)
