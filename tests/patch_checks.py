@@ -33,6 +33,9 @@ WORKER_METHODS_0_5_14 = {"_skip_speculation", "_init_spec_disable", "_capture_sp
 LEAN_PLAIN_STEP_VARIANTS = ("0.5.6", "0.5.7", "0.5.8", "0.5.12")
 # ... of which these also patch the output processor to read one token per request from a plain step's result.
 STRIDE_FROM_RESULT_VARIANTS = ("0.5.8",)
+# The ScheduleBatch variants whose FutureMap and forward isolation take the lean plain step (0.5.19 on: not
+# yet; their plain step relays the draft state it resolved, as before).
+LEAN_SCHEDULE_BATCH_VARIANTS = ("0.5.14", "0.5.15", "0.5.16", "0.5.17", "0.5.18")
 
 
 def takes_schedule_batch(variant: str) -> bool:
@@ -56,13 +59,57 @@ def _method(cls: ast.ClassDef, name: str) -> ast.FunctionDef:
     return found[0]
 
 
+def check_field(text: str, cls_name: str = "ServerArgs") -> dict[str, ast.AnnAssign]:
+    """The threshold field of `cls_name` (None by default, annotated as its neighbour is); its class's fields."""
+    cls = _class(ast.parse(text), cls_name)
+    fields = {n.target.id: n for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+    assert FIELD in fields, f"{cls_name} has no speculative_disable_batch_threshold field"
+    field = fields[FIELD]
+    assert isinstance(field.value, ast.Constant) and field.value.value is None
+    annotation = field.annotation
+    if isinstance(annotation, ast.Subscript) and ast.unparse(annotation.value) == "A":
+        # the command line is derived from the annotation: Optional[int] gives type=int, the help text
+        # is the string (sglang's own arg_utils, exercised in test_patching)
+        inner, help_text, *markers = annotation.slice.elts
+        assert ast.unparse(inner) == "Optional[int]"
+        assert isinstance(help_text, ast.Constant) and "more than N requests" in help_text.value
+        # where fields carry a namespace marker (0.5.17-0.5.19: NS("spec")), ours has the one of its neighbour
+        neighbour = fields["speculative_num_draft_tokens"].annotation.slice.elts[2:]
+        assert [ast.unparse(m) for m in markers] == [ast.unparse(m) for m in neighbour]
+    return fields
+
+
+def check_resolution_pipeline(text: str) -> None:
+    """sglang 0.5.19 on: the startup check follows the speculative hook of the resolution pipeline and
+    reads what resolution declared (resolving_view)."""
+    check = "check_threshold_args(resolving_view(server_args))"
+    holders = [n for n in ast.walk(ast.parse(text)) if isinstance(n, ast.FunctionDef) and check in ast.unparse(n)]
+    assert len(holders) == 1, f"{check} found in {len(holders)} functions"
+    body = ast.unparse(holders[0])
+    hook = "run_hook(handle_speculative_decoding, server_args)"
+    hook = hook if hook in body else "handle_speculative_decoding(server_args)"
+    assert body.index(hook) < body.index(check)
+    assert "from sglang.srt.arg_groups.overrides import resolving_view" in body
+
+
+def check_internal_state(text: str) -> None:
+    """sglang 0.5.22 on: /set_internal_state's handler table takes the threshold, validated by the policy and
+    rejected with the release's own UpdateRejected."""
+    tree = ast.parse(text)
+    table = ast.unparse(_method(_class(tree, "SchedulerInternalStateController"), "_update_handlers"))
+    assert f"'{FIELD}': _UpdateHandler(_validate_spec_disable_batch_threshold, _override)" in table
+    validate = next(n for n in tree.body if isinstance(n, ast.FunctionDef)
+                    and n.name == "_validate_spec_disable_batch_threshold")
+    assert [a.arg for a in validate.args.args] == ["key", "value"]
+    body = ast.unparse(validate)
+    assert "validate_threshold(value)" in body and "raise UpdateRejected(" in body
+
+
 def check_server_args(text: str, variant: str = "0.5.12") -> None:
     tree = ast.parse(text)
     cls = _class(tree, "ServerArgs")
-    fields = {n.target.id: n for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
-    assert FIELD in fields, "ServerArgs has no speculative_disable_batch_threshold field"
+    fields = check_field(text)
     field = fields[FIELD]
-    assert isinstance(field.value, ast.Constant) and field.value.value is None
     post_init = ast.unparse(_method(cls, "__post_init__"))
     # from 0.5.15 model overrides declare settings that reach the fields at the end of __post_init__
     # (materialize_declarations): the startup check reads through resolved_view until then
@@ -78,16 +125,7 @@ def check_server_args(text: str, variant: str = "0.5.12") -> None:
     if declared:
         assert post_init.index(check) < post_init.index("materialize_declarations(self)")
     if takes_schedule_batch(variant):
-        # the command line is derived from the annotation: Optional[int] gives type=int, the help text
-        # is the string (sglang's own arg_utils, exercised in test_patching)
-        annotation = field.annotation
-        assert isinstance(annotation, ast.Subscript) and ast.unparse(annotation.value) == "A"
-        inner, help_text, *markers = annotation.slice.elts
-        assert ast.unparse(inner) == "Optional[int]"
-        assert isinstance(help_text, ast.Constant) and "more than N requests" in help_text.value
-        # where fields carry a namespace marker (0.5.17: NS("spec")), ours has the one of its neighbour
-        neighbour = fields["speculative_num_draft_tokens"].annotation.slice.elts[2:]
-        assert [ast.unparse(m) for m in markers] == [ast.unparse(m) for m in neighbour]
+        assert ast.unparse(field.annotation).startswith("A[")
         assert post_init.index("handle_speculative_decoding(self)") < post_init.index(check)
         return
     assert ast.unparse(field.annotation) == "Optional[int]"
@@ -102,15 +140,18 @@ def check_server_args(text: str, variant: str = "0.5.12") -> None:
     assert post_init.index("_handle_speculative_decoding()") < post_init.index(check)
 
 
-def check_scheduler(text: str) -> None:
+def check_scheduler(text: str, internal_state: bool = True) -> None:
+    """The scheduler arms the threshold at startup and, unless a handler table elsewhere does
+    (`internal_state` False: 0.5.22 on), lets /set_internal_state set it."""
     tree = ast.parse(text)
-    method = _method(_class(tree, "Scheduler"), "set_internal_state")
-    allow = [n for n in ast.walk(method) if isinstance(n, ast.Assign)
-             and any(isinstance(t, ast.Name) and t.id == "args_allow_update" for t in n.targets)]
-    assert len(allow) == 1
-    names = {c.value for c in ast.walk(allow[0].value) if isinstance(c, ast.Constant)}
-    assert FIELD in names, "speculative_disable_batch_threshold is not in set_internal_state's allow-list"
-    assert "validate_threshold(v)" in ast.unparse(method)
+    if internal_state:
+        method = _method(_class(tree, "Scheduler"), "set_internal_state")
+        allow = [n for n in ast.walk(method) if isinstance(n, ast.Assign)
+                 and any(isinstance(t, ast.Name) and t.id == "args_allow_update" for t in n.targets)]
+        assert len(allow) == 1
+        names = {c.value for c in ast.walk(allow[0].value) if isinstance(c, ast.Constant)}
+        assert FIELD in names, "speculative_disable_batch_threshold is not in set_internal_state's allow-list"
+        assert "validate_threshold(v)" in ast.unparse(method)
     handover = [n for n in ast.walk(tree) if isinstance(n, ast.Assign) and ast.unparse(n.targets[0])
                 == "self.draft_worker.metrics_collector"]
     assert len(handover) == 1, "the scheduler does not hand its metrics collector to the spec worker"
@@ -224,14 +265,28 @@ def check_lean_plain_step_schedule_batch(texts: dict[str, str]) -> None:
         "sched_snapshot = ")
 
 
+RESOLUTION_PIPELINE = "srt/arg_groups/pipeline.py"  # 0.5.19 on: the startup check
+SPEC_FIELDS = "srt/arg_groups/fields/spec.py"  # 0.5.20 on: the field
+INTERNAL_STATE = "srt/managers/scheduler_components/internal_state.py"  # 0.5.22 on: /set_internal_state
+
+
 def check_all(texts: dict[str, str], variant: str = "0.5.12") -> None:
-    check_server_args(texts["srt/server_args.py"], variant)
-    check_scheduler(texts["srt/managers/scheduler.py"])
+    if RESOLUTION_PIPELINE in texts:
+        check_resolution_pipeline(texts[RESOLUTION_PIPELINE])
+        if SPEC_FIELDS in texts:
+            check_field(texts[SPEC_FIELDS], "Spec")
+        else:
+            check_field(texts["srt/server_args.py"])
+    else:
+        check_server_args(texts["srt/server_args.py"], variant)
+    if INTERNAL_STATE in texts:
+        check_internal_state(texts[INTERNAL_STATE])
+    check_scheduler(texts["srt/managers/scheduler.py"], internal_state=INTERNAL_STATE not in texts)
     check_eagle_worker(texts["srt/speculative/eagle_worker_v2.py"], variant)
     ast.parse(texts["srt/speculative/spec_batch_threshold.py"])
     if variant in LEAN_PLAIN_STEP_VARIANTS:
         check_lean_plain_step(texts, variant)
-    elif takes_schedule_batch(variant):
+    elif variant in LEAN_SCHEDULE_BATCH_VARIANTS:
         check_lean_plain_step_schedule_batch(texts)
 
 

@@ -79,7 +79,8 @@ def _sha(path: Path) -> str | None:
 
 
 # What the patch reads and writes, for the tests that need no whole tree (unpacking one takes ~2 s).
-PATCH_SUBTREE = ("sglang/srt/server_args.py", "sglang/srt/managers/", "sglang/srt/speculative/")
+PATCH_SUBTREE = ("sglang/srt/server_args.py", "sglang/srt/managers/", "sglang/srt/speculative/",
+                 "sglang/srt/arg_groups/")  # 0.5.19 on: the pipeline and, from 0.5.20, the spec fields
 
 
 @pytest.fixture
@@ -105,7 +106,8 @@ def _compile_cached(path: Path) -> Path:
 # --------------------------------------------------------------------------- the round trip, every version
 
 
-@pytest.mark.parametrize("version", ["0.5.15", "0.5.15.post1", "0.5.16", "0.5.17", "0.5.18"])
+@pytest.mark.parametrize("version", ["0.5.15", "0.5.15.post1", "0.5.16", "0.5.17", "0.5.18",
+                                     "0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23"])
 def test_unmeasured_variants_round_trip_with_strategy_patch(make_box, version: str, tmp_path: Path) -> None:
     """Variants not measured on a GPU apply and revert byte for byte when the host asks for the patch."""
     assert read_patch_state(make_box(version, name="auto").agent).strategy == "native"

@@ -101,15 +101,24 @@ def test_a_field_without_the_namespace_marker_makes_the_override_fail(tmp_path: 
                                     "'speculative_disable_batch_threshold'"
 
 
-@pytest.mark.parametrize("version", ["0.5.17", "0.5.18"])
+@pytest.mark.parametrize("version", ["0.5.17", "0.5.18", "0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23"])
 def test_the_scheduler_applies_and_reports_through_the_context(version: str) -> None:
     """What the two tests above stand in for: set_internal_state and get_internal_state of the releases
-    whose adapter reads the spec bag."""
+    whose adapter reads the spec bag (from 0.5.19 the context's import chain reaches torch, so this
+    reading of the release's code is what runs here; 0.5.22 moved both into the handler module)."""
     assert _reader(variant_for(version)) == _reader("0.5.17")
+    handler_module = "sglang/srt/managers/scheduler_components/internal_state.py"
     with zipfile.ZipFile(sglang_wheel(version)) as wheel:
-        scheduler = ast.parse(wheel.read("sglang/srt/managers/scheduler.py").decode())
-    cls = next(n for n in ast.walk(scheduler) if isinstance(n, ast.ClassDef) and n.name == "Scheduler")
+        moved = handler_module in wheel.namelist()
+        scheduler = ast.parse(wheel.read(handler_module if moved else "sglang/srt/managers/scheduler.py").decode())
+    name = "SchedulerInternalStateController" if moved else "Scheduler"
+    cls = next(n for n in ast.walk(scheduler) if isinstance(n, ast.ClassDef) and n.name == name)
     methods = {n.name: ast.unparse(n) for n in cls.body if isinstance(n, ast.FunctionDef)}
-    assert "get_context().override(source='update_server_args', **remaining)" in methods["set_internal_state"]
+    applied = "**overrides" if moved else "**remaining"
+    assert f"get_context().override(source='update_server_args', {applied})" in methods["set_internal_state"]
+    if moved:
+        assert "state = get_context().resolved_server_args_dict()" in methods["get_internal_state"]
+        assert "setattr(" not in methods["set_internal_state"]
+        return
     assert "setattr(" not in methods["set_internal_state"]  # server_args is no longer written
     assert "ret = get_context().resolved_server_args_dict()" in methods["get_internal_state"]

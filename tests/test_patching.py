@@ -9,7 +9,7 @@ import zipfile
 from functools import cache
 
 import pytest
-from patch_checks import check_all, takes_schedule_batch, unpatched_text
+from patch_checks import LEAN_SCHEDULE_BATCH_VARIANTS, SPEC_FIELDS, check_all, takes_schedule_batch, unpatched_text
 from sglang_trees import sglang_wheel
 
 from dynctl.errors import PreflightError, UsageError
@@ -25,10 +25,12 @@ from dynctl.patching import (
     variant_for,
 )
 from dynctl.patching.recipe import NEW_MODULE, SERVER_ARGS, recipes, target_files
+from dynctl.patching.versions import strategy_note, unmeasured_note
 
 PATCH_VERSIONS = ["0.5.6", "0.5.7", "0.5.8", "0.5.9", "0.5.10", "0.5.11", "0.5.12"]
 # Releases whose worker takes a ScheduleBatch (their own contract tests below).
-SCHEDULE_BATCH_VERSIONS = ["0.5.14", "0.5.15", "0.5.15.post1", "0.5.16", "0.5.17", "0.5.18"]
+SCHEDULE_BATCH_VERSIONS = ["0.5.14", "0.5.15", "0.5.15.post1", "0.5.16", "0.5.17", "0.5.18",
+                           "0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23"]
 
 
 @cache
@@ -88,7 +90,9 @@ def test_plan_applies_compiles_and_is_idempotent(version: str) -> None:
 def test_the_diff_is_a_unified_diff_of_insertions(version: str) -> None:
     plan = plan_patch(version, originals(version))
     diff = plan.diff()
-    assert f"--- a/sglang/{SERVER_ARGS}" in diff and f"+++ b/sglang/{SERVER_ARGS}" in diff
+    # from 0.5.20 the spec fields are declared in arg_groups/fields/spec.py
+    fields = SPEC_FIELDS if SPEC_FIELDS in target_files(variant_for(version)) else SERVER_ARGS
+    assert f"--- a/sglang/{fields}" in diff and f"+++ b/sglang/{fields}" in diff
     assert f"--- /dev/null\n+++ b/sglang/{NEW_MODULE}" in diff
     removed = [ln for ln in diff.splitlines() if ln.startswith("-") and not ln.startswith("---")]
     assert removed == []  # insertions only
@@ -104,8 +108,15 @@ def test_variants_follow_the_release_matrix() -> None:
     assert variant_for("0.5.14") == variant_for("0.5.14.post1") == "0.5.14"
     assert variant_for("0.5.15") == variant_for("0.5.15.post1") == variant_for("0.5.15.post2") == "0.5.15"
     assert [variant_for(v) for v in ("0.5.16", "0.5.17")] == ["0.5.16", "0.5.17"]
-    assert variant_for("0.5.18") == "0.5.18"
-    for version in ("0.5.19", "0.5.23", "0.5.13", "0.5.5"):
+    assert [variant_for(v) for v in ("0.5.18", "0.5.19", "0.5.20", "0.5.21", "0.5.22")] == [
+        "0.5.18", "0.5.19", "0.5.20", "0.5.21", "0.5.22"]
+    assert variant_for("0.5.23") == variant_for("0.5.23.post1") == "0.5.22"
+    for version in ("0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23"):  # what plan, deploy and status say
+        assert strategy_note(version, "patch") == unmeasured_note(version)
+        assert unmeasured_note(version).startswith(f"patch not measured on a GPU for sglang {version}: ")
+        assert strategy_note(version, "native") == (f"a patch variant for sglang {version} exists but is not "
+                                                    f'measured on a GPU; strategy = "patch" takes it')
+    for version in ("0.5.24", "0.6.0", "0.5.13", "0.5.5"):
         with pytest.raises(PreflightError):
             variant_for(version)
 
@@ -503,6 +514,8 @@ def test_thresholds_refused_with_usage_errors(value: object, message: str) -> No
     # variants not measured on a GPU: "auto" stays native, "patch" takes them
     ("0.5.15", "auto", "native"), ("0.5.15", "patch", "patch"), ("0.5.15.post1", "patch", "patch"),
     ("0.5.16", "patch", "patch"), ("0.5.17", "auto", "native"), ("0.5.17", "patch", "patch"),
+    *((v, p, {"auto": "native", "patch": "patch", "native": "native"}[p])
+      for v in ("0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23") for p in ("auto", "patch", "native")),
 ])
 def test_the_host_strategy_key_picks_where_a_release_allows_both(version: str, preference: str, strategy: str) -> None:
     assert strategy_for(version, preference) == strategy
@@ -511,8 +524,9 @@ def test_the_host_strategy_key_picks_where_a_release_allows_both(version: str, p
 @pytest.mark.parametrize(("version", "preference", "why"), [
     ("0.5.12", "native", 'strategy = "native" cannot serve sglang 0.5.12: the native strategy needs'),
     ("0.5.6.post1", "native", "from sglang 0.5.14"),
-    ("0.5.19", "patch", 'strategy = "patch" cannot serve sglang 0.5.19: dynctl has no patch variant'),
-    ("0.5.23", "patch", "variants: 0.5.6, 0.5.7, 0.5.8, 0.5.12, 0.5.14, 0.5.15, 0.5.16, 0.5.17, 0.5.18"),
+    ("0.5.24", "patch", 'strategy = "patch" cannot serve sglang 0.5.24: dynctl has no patch variant'),
+    ("0.6.0", "patch", "variants: 0.5.6, 0.5.7, 0.5.8, 0.5.12, 0.5.14, 0.5.15, 0.5.16, 0.5.17, 0.5.18, "
+                       "0.5.19, 0.5.20, 0.5.21, 0.5.22"),
     ("0.5.13", "native", "sglang 0.5.13 is not supported"),
 ])
 def test_a_strategy_the_release_cannot_take_is_refused(version: str, preference: str, why: str) -> None:
@@ -538,12 +552,33 @@ def _function(text: str, cls_name: str | None, name: str) -> ast.FunctionDef:
 
 
 # Where each release keeps what the ScheduleBatch fast path reads (the adapter fragments follow these).
-_CAPTURE_MODE_KEYWORD = {"0.5.16", "0.5.17", "0.5.18"}  # ScheduleBatch lost capture_hidden_mode: a forward keyword
-_RANKS_IN_PS = {"0.5.16", "0.5.17", "0.5.18"}  # the worker's ranks are in self.ps (the adapter's tp_rank property)
-_GRAMMAR_BARRIER = {"0.5.17", "0.5.18"}  # forward_batch_generation's grammar_barrier
+_RANKS_IN_PS = {"0.5.16", "0.5.17", "0.5.18", "0.5.19", "0.5.20"}  # the worker's ranks are in self.ps
+_RANKS_IN_CONTEXT = {"0.5.21", "0.5.22"}  # no ranks of its own: get_parallel() (the adapter's tp_rank property)
+# From 0.5.16: ScheduleBatch lost capture_hidden_mode (a forward keyword), the workers are properties of
+# BaseSpecWorker, verify is run_eagle_verify, the hybrid-model helpers are in configs/hybrid_arch.
+_FROM_0_5_16 = _RANKS_IN_PS | _RANKS_IN_CONTEXT
+_CAPTURE_MODE_KEYWORD = _FROM_0_5_16
+# forward_batch_generation's arguments after on_publish: grammar_barrier (used only for batches with a
+# grammar, which stay on verify) and, from 0.5.19, pp_proxy_tensors (pipeline parallelism does not arm)
+_FORWARD_EXTRA = {"0.5.17": ["grammar_barrier"], "0.5.18": ["grammar_barrier"],
+                  **dict.fromkeys(("0.5.19", "0.5.20", "0.5.21", "0.5.22"), ["grammar_barrier", "pp_proxy_tensors"])}
 # The write-after-read barrier: the spec worker's runner property and the model runner's event.
-_WAR = {"0.5.18": ("last_shared_read_runner", "shared_read_done_event")}
+_WAR = dict.fromkeys(("0.5.18", "0.5.19", "0.5.20", "0.5.21", "0.5.22"),
+                     ("last_shared_read_runner", "shared_read_done_event"))
 _WAR_BEFORE = ("war_fastpath_runner", "war_fastpath_read_done_event")
+
+
+def _server_args_fields(version: str) -> set[str]:
+    """ServerArgs's fields; from 0.5.20 it composes the namespace classes of arg_groups/fields/."""
+    with zipfile.ZipFile(sglang_wheel(version)) as wheel:
+        parts = [n[len("sglang/"):] for n in wheel.namelist()
+                 if n.startswith("sglang/srt/arg_groups/fields/") and n.endswith(".py")]
+    fields = _dataclass_fields(_source(version, "srt/server_args.py"), "ServerArgs")
+    for part in parts:
+        tree = ast.parse(_source(version, part))
+        for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+            fields |= {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+    return fields
 
 
 def _adapter_batch_fields(version: str) -> tuple[str, ...]:
@@ -581,7 +616,10 @@ def test_what_the_schedule_batch_fast_path_uses_exists_in_the_release(version: s
     tp = ast.unparse(tp_node)
     if keyword:
         assert "capture_hidden_mode" in [a.arg for a in tp_node.args.kwonlyargs]
-        assert "ForwardBatch.init_new(batch, self.model_runner, capture_hidden_mode=capture_hidden_mode" in tp
+        # 0.5.23 may fold an encoder-SWA replay into an extend batch first (folded stays None for a decode)
+        assert ("ForwardBatch.init_new(batch, self.model_runner, capture_hidden_mode=capture_hidden_mode" in tp
+                or "ForwardBatch.init_new(batch if folded is None else folded.batch, self.model_runner, "
+                   "capture_hidden_mode=capture_hidden_mode" in tp)
         assert "batch_result.next_token_ids = self.model_runner.sample(" in tp
     else:
         assert "forward_batch = ForwardBatch.init_new(batch, self.model_runner)" in tp
@@ -600,18 +638,19 @@ def test_what_the_schedule_batch_fast_path_uses_exists_in_the_release(version: s
     # the plain step reads the first of a request's allocated slots from the pool at seq_len
     pool = _source(version, "srt/mem_cache/memory_pool.py")
     assert "self.req_to_token = torch.zeros(" in ast.unparse(_function(pool, "ReqToTokenPool", "__init__"))
-    # the FutureMap members the lean resolve and stash read (bonus tokens only on a plain step)
-    overlap = _source(version, "srt/managers/overlap_utils.py")
-    future_map = _self_attrs(overlap, "FutureMap")
-    assert {"output_tokens_buf", "need_topk", "topk_p_buf", "topk_index_buf", "need_hidden_states",
-            "hidden_states_buf", "_forward_buf_initialized"} <= future_map
-    stash = ast.unparse(_function(overlap, "FutureMap", "stash"))
-    assert "self.output_tokens_buf[indices] = " in stash and "self._lazy_init_forward_buf(" in stash
-    resolve = ast.unparse(_function(overlap, "FutureMap", "_resolve_spec_extras"))
-    assert "indices = draft_input.future_indices" in resolve and "draft_input.bonus_tokens = " in resolve
-    # the scheduler snapshots a speculative batch whole around the worker, other batches' sampling info only
-    isolation = ast.unparse(_function(_source(version, "srt/managers/scheduler.py"), "Scheduler", "_forward_isolation"))
-    assert "if snapshot_v2_full else None" in isolation and "batch.sampling_info = sched_sampling_info" in isolation
+    if variant in LEAN_SCHEDULE_BATCH_VARIANTS:
+        # the FutureMap members the lean resolve and stash read (bonus tokens only on a plain step)
+        overlap = _source(version, "srt/managers/overlap_utils.py")
+        future_map = _self_attrs(overlap, "FutureMap")
+        assert {"output_tokens_buf", "need_topk", "topk_p_buf", "topk_index_buf", "need_hidden_states",
+                "hidden_states_buf", "_forward_buf_initialized"} <= future_map
+        stash = ast.unparse(_function(overlap, "FutureMap", "stash"))
+        assert "self.output_tokens_buf[indices] = " in stash and "self._lazy_init_forward_buf(" in stash
+        resolve = ast.unparse(_function(overlap, "FutureMap", "_resolve_spec_extras"))
+        assert "indices = draft_input.future_indices" in resolve and "draft_input.bonus_tokens = " in resolve
+        # the scheduler snapshots a speculative batch whole around the worker, other batches' sampling info only
+        isolation = ast.unparse(_function(_source(version, "srt/managers/scheduler.py"), "Scheduler", "_forward_isolation"))
+        assert "if snapshot_v2_full else None" in isolation and "batch.sampling_info = sched_sampling_info" in isolation
     # a spec step's logprobs: one row per request of its accepted tokens, top-k flat at i * row + j
     assert "accepted_logprobs = next_token_logprobs[i]" in processor
     assert "flat_idx = i * max_accept + j" in processor
@@ -619,24 +658,27 @@ def test_what_the_schedule_batch_fast_path_uses_exists_in_the_release(version: s
 
     worker = _source(version, "srt/speculative/eagle_worker_v2.py")
     eagle = _self_attrs(worker, "EAGLEWorkerV2")
-    if variant in _RANKS_IN_PS:  # from 0.5.16 the workers are properties of BaseSpecWorker
+    if variant in _FROM_0_5_16:  # from 0.5.16 the workers are properties of BaseSpecWorker
         eagle |= _self_attrs(_source(version, "srt/speculative/base_spec_worker.py"), "BaseSpecWorker")
         eagle |= {"req_to_token_pool"} if "self.req_to_token_pool = req_to_token_pool" in worker else set()
-    rank = "ps" if variant in _RANKS_IN_PS else "tp_rank"
+    rank = "ps" if variant in _RANKS_IN_PS else None if variant in _RANKS_IN_CONTEXT else "tp_rank"
     war_runner, war_event = _WAR.get(variant, _WAR_BEFORE)
-    assert {"server_args", rank, "device", "speculative_num_draft_tokens", "req_to_token_pool",
+    assert {"server_args", *filter(None, [rank]), "device", "speculative_num_draft_tokens", "req_to_token_pool",
             "target_worker", "draft_worker", war_runner} <= eagle
-    if rank == "ps":  # nothing of the release's own sets self.tp_rank, which the adapter makes a property
+    if rank != "tp_rank":  # nothing of the release's own sets self.tp_rank, which the adapter makes a property
         assert "tp_rank" not in eagle
-        assert "self.ps.tp_rank" in worker
+        assert ("self.ps.tp_rank" if rank == "ps" else "get_parallel().pp_group.is_last_rank") in worker
+    if rank is None:  # the adapter's source of the rank: what the launcher publishes, as the release reads it
+        assert '"tp_rank": tp_rank,' in _source(version, "srt/runtime_context.py")
+        assert "tp_rank = get_parallel().tp_rank" in _source(version, "srt/model_loader/loader.py")
     forward = _function(worker, "EAGLEWorkerV2", "forward_batch_generation")
     # 0.5.17 adds grammar_barrier, used only for batches with a grammar (which stay on verify)
     assert [a.arg for a in forward.args.args][:3] == ["self", "batch", "on_publish"]
-    assert [a.arg for a in forward.args.args][3:] == (["grammar_barrier"] if variant in _GRAMMAR_BARRIER else [])
+    assert [a.arg for a in forward.args.args][3:] == _FORWARD_EXTRA.get(variant, [])
     assert "on_publish(batch_output.new_seq_lens)" in ast.unparse(forward)
     # a verify with accept length 1 returns these, which the disabled step mirrors
     verify = ast.unparse(_function(worker, "EAGLEWorkerV2", "verify"))
-    if variant in _RANKS_IN_PS:  # from 0.5.16 verify is run_eagle_verify, given the worker's D
+    if variant in _FROM_0_5_16:  # from 0.5.16 verify is run_eagle_verify, given the worker's D
         assert "num_draft_tokens=self.speculative_num_draft_tokens" in verify
         verify = ast.unparse(_function(_source(version, "srt/speculative/eagle_worker_common.py"), None,
                                        "run_eagle_verify"))
@@ -655,7 +697,8 @@ def test_what_the_schedule_batch_fast_path_uses_exists_in_the_release(version: s
     if variant == "0.5.14":
         assert "self.future_map.stash(future_indices, stash_payload)" in run_batch
     else:  # from 0.5.15 through a helper that relays every field of next_draft_input
-        assert "self._relay_forward_payload(future_indices, batch_result)" in run_batch
+        assert ("self._relay_forward_payload(future_indices, batch_result)" in run_batch
+                or "self._relay_forward_payload(batch, future_indices, batch_result)" in run_batch)
         relay = ast.unparse(_function(scheduler, "Scheduler", "_relay_forward_payload"))
         assert "RelayPayload.from_draft_input(batch_result.next_draft_input)" in relay
         assert "self.future_map.stash(future_indices, payload)" in relay
@@ -684,7 +727,7 @@ def test_what_the_schedule_batch_plain_decode_graphs_use_exists_in_the_release(v
     attrs = _self_attrs(runner, "ModelRunner")
     assert {"attn_backend", "decode_cuda_graph_runner", "spec_algorithm", "init_new_workspace", "model_config",
             _WAR.get(variant_for(version), _WAR_BEFORE)[1]} <= attrs
-    if variant_for(version) in _RANKS_IN_PS:
+    if variant_for(version) in _FROM_0_5_16:
         # the hybrid-model helpers left the runner: a getattr on it would find nothing and stop refusing
         assert not {"hybrid_gdn_config", "mamba2_config"} & attrs
         hybrid = _function(_source(version, "srt/configs/hybrid_arch.py"), None, "mambaish_config")
@@ -699,10 +742,10 @@ def test_what_the_schedule_batch_plain_decode_graphs_use_exists_in_the_release(v
     assert "self.decode_cuda_graph_runner and self.decode_cuda_graph_runner.can_run_graph(forward_batch)" in forward
     assert "self.decode_cuda_graph_runner.execute(" in forward
     # without CUDA graphs the decode runner is the eager runner (why arming checks the class)
-    if variant_for(version) in _RANKS_IN_PS:
+    if variant_for(version) in _FROM_0_5_16:
         graph_setup = _source(version, "srt/model_executor/model_runner_components/cuda_graph_setup.py")
         assert "self.decode_cuda_graph_runner = capture.decode.runner" in runner
-        assert "eager_runner = EagerRunner(model_runner)" in graph_setup and "runner=eager_runner," in graph_setup
+        assert "eager_runner = EagerRunner(model_runner" in graph_setup and "runner=eager_runner," in graph_setup
     else:
         assert "self.decode_cuda_graph_runner = self.eager_runner" in runner
     assert "class EagerRunner(BaseRunner):" in _source(version, "srt/model_executor/runner/eager_runner.py")
@@ -734,7 +777,7 @@ def test_what_the_schedule_batch_plain_decode_graphs_use_exists_in_the_release(v
         assert "forward_batch.forward_mode.is_decode()" in execute
         assert "self.model_runner.war_fastpath_read_done_event = read_done" in execute
 
-    args = _dataclass_fields(_source(version, "srt/server_args.py"), "ServerArgs")
+    args = _server_args_fields(version)
     assert {"speculative_algorithm", "disable_overlap_schedule", "speculative_eagle_topk", "enable_dp_attention",
             "enable_multi_layer_eagle", "enable_two_batch_overlap", "enable_pdmux", "speculative_adaptive",
             "enable_lora", "enable_metrics", "enable_metrics_for_all_schedulers", "max_running_requests",
@@ -762,14 +805,28 @@ def test_the_annotated_field_gives_the_flag_through_sglangs_own_cli_derivation(v
         # the class resolves its annotations in the module it names: arg_utils has A and Optional
         namespace = {"__name__": spec.name, "A": module.A, "Optional": typing.Optional,
                      "NS": getattr(module, "NS", None)}
-        field = next(ins.fragment for recipe in recipes(variant_for(version)) for ins in recipe.insertions
-                     if ins.fragment.startswith("server_args.field"))
-        exec("class Args:\n" + fragment_text(field), namespace)
-        args_cls = dataclasses.dataclass(namespace["Args"])
+        field, path = next((ins.fragment, recipe.path) for recipe in recipes(variant_for(version))
+                           for ins in recipe.insertions if ins.fragment.startswith("server_args.field"))
+        if path == SPEC_FIELDS:  # from 0.5.20 a msgspec struct in a module of its own, as the release's Spec
+            import types
+
+            import msgspec
+
+            fields_module = types.ModuleType("sglang_spec_fields")
+            fields_module.__dict__.update(A=module.A, Optional=typing.Optional, msgspec=msgspec)
+            sys.modules[fields_module.__name__] = fields_module
+            exec("class Spec(msgspec.Struct):\n    _NS_PATH = 'spec'\n" + fragment_text(field), fields_module.__dict__)
+            args_cls = fields_module.Spec
+            # /set_internal_state's override routes a key to the namespace of the class that declares it
+            assert module.namespace_of(args_cls)["speculative_disable_batch_threshold"] == "spec"
+        else:
+            exec("class Args:\n" + fragment_text(field), namespace)
+            args_cls = dataclasses.dataclass(namespace["Args"])
         parser = argparse.ArgumentParser()
         module.add_cli_args_from_dataclass(parser, args_cls)
     finally:
         del sys.modules[spec.name]
+        sys.modules.pop("sglang_spec_fields", None)
     assert parser.parse_args(["--speculative-disable-batch-threshold", "7"]).speculative_disable_batch_threshold == 7
     assert parser.parse_args([]).speculative_disable_batch_threshold is None
     with pytest.raises(SystemExit):

@@ -24,7 +24,7 @@
 #                                      per sglang version
 #   sglang-<V>-pristine.tar.xz         sglang package as released
 #   sglang-<V>-patched.tar.xz          the same after `dynctl patch apply` (releases with a patch
-#                                      variant in patches/variants.toml: 0.5.6-0.5.12 and 0.5.14-0.5.18,
+#                                      variant in patches/variants.toml: 0.5.6-0.5.12 and 0.5.14-0.5.23,
 #                                      those not yet measured on a GPU included: the build host asks for
 #                                      strategy = "patch", and MANIFEST carries dynctl's "not measured" line)
 #   adaptive-t<N>.json, .argv.json     sglang >= 0.5.14: the adaptive config and launch flags that

@@ -8,7 +8,7 @@ from dynctl.errors import PreflightError, UsageError
 from dynctl.patching.recipe import Release, releases
 from dynctl.sglang import parse_version
 
-SUPPORTED = ("patch for sglang 0.5.6–0.5.12 and 0.5.14–0.5.18 (measured on a GPU: 0.5.6–0.5.12 and 0.5.14; "
+SUPPORTED = ("patch for sglang 0.5.6–0.5.12 and 0.5.14–0.5.23 (measured on a GPU: 0.5.6–0.5.12 and 0.5.14; "
              "the others only with strategy = \"patch\"), native adaptive config for sglang ≥ 0.5.14 "
              "(the default for releases without a measured patch variant)")
 MAX_THRESHOLD = hostspec.MAX_THRESHOLD
