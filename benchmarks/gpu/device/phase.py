@@ -26,6 +26,7 @@ id, phase, release and the target's shape (runinfo.py), which summarize.py check
 """
 import argparse
 import glob
+import hashlib
 import json
 import os
 import re
@@ -105,13 +106,14 @@ def has(name):
 
 
 def check_sum(name, path):
+    """A file that did not travel in this call must be the one prepare.sh built for this carry."""
     sums = os.path.join(CARRY, "SHA256SUMS")
     want = {}
-    if os.path.exists(sums):
-        want = {n[2:] if n.startswith("./") else n: h for h, n in (l.split(None, 1) for l in open(sums).read().split("\n") if l)}
+    for line in (open(sums).read().splitlines() if os.path.exists(sums) else []):
+        digest, listed = line.split(None, 1)
+        want[listed[2:] if listed.startswith("./") else listed] = digest
     if name not in want:
         raise SystemExit(f"{name}: stored on this machine, but {sums} does not list it; rebuild the carry")
-    import hashlib
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -202,9 +204,8 @@ def import_check(env, version):
         mods.insert(0, "cutlass")
     rc, out = run_py(env, "import torch, sgl_kernel, flashinfer, transformers, sglang;"
                           f"import {', '.join(mods)};"
-                          "print('torch', torch.__version__, 'sglang', sglang.__version__, "
-                          f"'modules', {len(mods) + 5})")
-    say(f"import check rc={rc}: {out}")
+                          "print('torch', torch.__version__, 'sglang', sglang.__version__)")
+    say(f"import check rc={rc} ({', '.join(mods)}): {out}")
     return rc == 0
 
 
@@ -1052,7 +1053,8 @@ def phase_imports(a):
     if os.path.exists(os.path.join(CARRY, f"adaptive-t{a.threshold}.argv.json")):
         cfg = os.path.join(CARRY, f"adaptive-t{a.threshold}.json")
         argv = json.load(open(os.path.join(CARRY, f"adaptive-t{a.threshold}.argv.json")))
-        flags.append(("pristine", f"adaptive t{a.threshold}", common_args(m, True, [x.replace("{config}", cfg) for x in argv])))
+        flags.append(("pristine", f"adaptive t{a.threshold}",
+                      common_args(m, True, [x.replace("{config}", cfg) for x in argv])))
     show = ("speculative_algorithm", "speculative_num_steps", "speculative_num_draft_tokens", "attention_backend",
             "speculative_disable_batch_threshold", "speculative_adaptive")
     for kind, label, argv in flags:
