@@ -202,7 +202,10 @@ def import_check(env, version):
             mods.append(mod)
     if extra_names(version):
         mods.insert(0, "cutlass")
-    rc, out = run_py(env, "import torch, sgl_kernel, flashinfer, transformers, sglang;"
+    # sgl_kernel loads its sm90 build only where a GPU says sm90 (it needs libcuda): on a CPU machine the
+    # check stops short of it, and of the CUDA-only imports that sglang guards with is_cuda()
+    first = "torch, sgl_kernel, flashinfer" if shutil.which("nvidia-smi") else "torch, flashinfer"
+    rc, out = run_py(env, f"import {first}, transformers, sglang;"
                           f"import {', '.join(mods)};"
                           "print('torch', torch.__version__, 'sglang', sglang.__version__)")
     say(f"import check rc={rc} ({', '.join(mods)}): {out}")
