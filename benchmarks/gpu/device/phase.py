@@ -93,8 +93,8 @@ def carried(name):
         os.rename(stored + ".part", stored)
     if not os.path.exists(stored):
         raise SystemExit(f"{name} is neither in {CARRY} nor stored on this machine ({STORED}): carry "
-                         f"{os.path.basename(CARRY)}a in a `store` call first, then this one at once "
-                         f"(benchmarks/gpu/README.md)")
+                         f"{os.path.basename(CARRY)}a (and {os.path.basename(CARRY)}b ... where prepare.sh made "
+                         f"them) each in a `store` call first, then this one at once (benchmarks/gpu/README.md)")
     check_sum(name, stored)
     return stored
 
@@ -120,7 +120,7 @@ def check_sum(name, path):
             h.update(chunk)
     if h.hexdigest() != want[name]:
         raise SystemExit(f"{name}: the stored copy {path} is not this carry's (sha256 {h.hexdigest()[:12]}, "
-                         f"SHA256SUMS {want[name][:12]}); carry {os.path.basename(CARRY)}a in a `store` call again")
+                         f"SHA256SUMS {want[name][:12]}); carry its store folder in a `store` call again")
 
 
 def extract(tar, dest):
@@ -1017,7 +1017,8 @@ def phase_tp(a):
 
 def phase_store(a):
     """Keep this carry folder's files on this machine for the calls that follow (prepare.sh moves what
-    does not fit one call into <carry>a, carried in this call): no server, no GPU."""
+    does not fit one call into <carry>a, <carry>b ..., each carried in a call of its own): no server,
+    no GPU."""
     os.makedirs(STORED, exist_ok=True)
     for name in sorted(os.listdir(CARRY)):
         if name in ("bin", "SHA256SUMS", "MANIFEST"):
