@@ -61,7 +61,7 @@ XZ="xz -T2 -6"
   || { echo "PY312 must be a Python 3.12 interpreter"; exit 2; }
 mkdir -p "$DEST/bin" "$BUILD"
 DEST="$(cd "$DEST" && pwd)"
-bash "$HERE/split_carry.sh" --join "$DEST"  # a previous run's second folder: only missing files are rebuilt
+bash "$HERE/split_carry.sh" --join "$DEST"  # a previous run's store folders back: only missing files are rebuilt
 echo "build in $BUILD, carry folder $DEST"
 : > "$DEST/MANIFEST"
 
@@ -120,7 +120,8 @@ for V in "${VERSIONS[@]}"; do
     "$PY312" -m pip install -q --no-deps --no-compile --no-index --target "$O/site" "$O"/whl/*.whl
     # static archives are for C++ linking, never loaded by Python (xgrammar's libxgrammar.a: 65 MB)
     rm -rf "$O/site/bin"; find "$O/site" -name '*.a' -print -delete | sed 's/^/  left out: /'
-    tar -C "$O/site" -cf - . | $XZ > "$DEST/site-$V.tar.xz"
+    tar -C "$O/site" -cf - . | $XZ > "$DEST/site-$V.tar.xz.part"
+    mv "$DEST/site-$V.tar.xz.part" "$DEST/site-$V.tar.xz"
   fi
   if [ -f "$DEST/site-$V.tar.xz" ]; then
     echo "overlay site-$V.tar.xz: $(grep -v '^#' "$DEPS" | tr '\n' ' ')" >> "$DEST/MANIFEST"
@@ -136,7 +137,7 @@ for V in "${VERSIONS[@]}"; do
         i=$((i + 1)); mkdir -p "$X/whl/$i"; "${PIPDL[@]}" -d "$X/whl/$i" "$P"
         (cd "$X/site" && unzip -q -o "$X"/whl/$i/*.whl)
       done
-      # the same bytes from every build (releases that share it share one stored copy on the machine)
+      # the same bytes from every build of the same wheels, whatever the unpacking left in mtimes and owners
       tar -C "$X/site" --sort=name --mtime=@0 --owner=0 --group=0 --numeric-owner -cf - . | $XZ \
         > "$DEST/$XN.tar.xz.part"
       mv "$DEST/$XN.tar.xz.part" "$DEST/$XN.tar.xz"
