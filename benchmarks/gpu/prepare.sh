@@ -13,12 +13,17 @@
 #   DYNCTL_SRC  dynctl checkout used to patch (default: . if it holds dynctl/, else ../main)
 #   THRESHOLD   batch-size threshold of the adaptive config for sglang >= 0.5.14 (default 2)
 #   BUILD       scratch folder (default: a new temp dir)
+#   CARRY_MIB   what one device call carries, the checkout's own files included (default 64)
 #
-# Output in DEST (every file xz-compressed; the whole folder stays well under the 64 MiB carry limit):
+# Output in DEST (every file xz-compressed):
 #   site.tar.xz                        common pure/compiled deps (deps-0.5.12.txt), cp312
-#   site-<V>.tar.xz                    where deps-<V>.txt exists: the packages sglang <V> pins differently,
-#                                      put ahead of site/ on the device
-#   kernels-<sgl-kernel>.tar.xz        sgl_kernel trimmed to sm90/common_ops + python, and
+#   site-<V>.tar.xz                    where deps-<V>.txt (else its base release's, 0.5.15.post1 -> 0.5.15)
+#                                      exists: the packages sglang <V> pins differently, put ahead of site/
+#                                      on the device (static archives *.a left out)
+#   extra-<D>.tar.xz, sglang-<V>.extra where deps-<D>-large.txt exists (D = V or its base release): large
+#                                      packages <V> imports (0.5.15: nvidia-cutlass-dsl), after the overlay
+#   kernels-<sgl-kernel>-flashinfer<flashinfer>.tar.xz
+#                                      sgl_kernel trimmed to sm90/common_ops + python, and
 #                                      flashinfer-python whole (its data/ holds the JIT sources: sgl_kernel's
 #                                      rmsnorm calls flashinfer.norm, compiled by nvcc on first use);
 #                                      per sglang version
@@ -32,6 +37,10 @@
 #   wheels/                            dynctl's own wheel (built from this checkout) and the dependencies
 #                                      the GPU machine's image lacks, for `dynctl` on that machine
 #   bin/                               the device-side scripts (copied from benchmarks/gpu/device)
+#   SHA256SUMS                         every file's sha256, checked by phase.py where it did not travel here
+#   <DEST>a/                           only if DEST with the checkout's own files is over the CARRY_MIB (64)
+#                                      MiB one call carries: what does not fit (split_carry.sh), for a
+#                                      `phase.py store` call to the warm machine just before the phase's
 #   MANIFEST                           versions, sha256 of the patched files, the patch diff
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -52,6 +61,7 @@ XZ="xz -T2 -6"
   || { echo "PY312 must be a Python 3.12 interpreter"; exit 2; }
 mkdir -p "$DEST/bin" "$BUILD"
 DEST="$(cd "$DEST" && pwd)"
+bash "$HERE/split_carry.sh" --join "$DEST"  # a previous run's store folders back: only missing files are rebuilt
 echo "build in $BUILD, carry folder $DEST"
 : > "$DEST/MANIFEST"
 
@@ -81,6 +91,13 @@ if [ ! -f "$DEST/site.tar.xz" ]; then
 fi
 echo "site: $(ls "$BUILD"/whl 2>/dev/null | wc -l) wheels" >> "$DEST/MANIFEST"
 
+deps_file() {  # VERSION SUFFIX -> benchmarks/gpu/deps-<VERSION><SUFFIX>.txt, else its base release's, else ""
+  local D
+  for D in "$1" "${1%%.post*}"; do
+    if [ -f "$HERE/deps-$D$2.txt" ]; then echo "$HERE/deps-$D$2.txt"; return; fi
+  done
+}
+
 kernel_pins() {  # sglang wheel -> "sglang-kernel==X flashinfer_python==Y" (extras such as [cu13] dropped)
   unzip -p "$1" '*.dist-info/METADATA' \
     | sed -n 's/^Requires-Dist: \(sglang-kernel\|flashinfer_python\)\(\[[^]]*\]\)\{0,1\}\(==[^ ;]*\).*/\1\3/p' | tr '\n' ' '
@@ -91,18 +108,43 @@ for V in "${VERSIONS[@]}"; do
   ls "$W"/sglang-*.whl >/dev/null 2>&1 || "${PIPDL[@]}" -d "$W" "sglang==$V"
   WHL=$(ls "$W"/sglang-*.whl | head -1)
   PINS=$(kernel_pins "$WHL")
-  KV=$(echo "$PINS" | sed -n 's/.*sglang-kernel==\([^ ]*\).*/\1/p')
+  # the kernels tarball is named by both pins: 0.5.16 and 0.5.17 share sglang-kernel 0.4.5, not flashinfer
+  KV=$(echo "$PINS" | sed -n 's/.*sglang-kernel==\([^ ]*\).*/\1/p')-flashinfer$(echo "$PINS" \
+    | sed -n 's/.*flashinfer_python==\([^ ]*\).*/\1/p')
   echo "sglang $V: $PINS" | tee -a "$DEST/MANIFEST"
-  # overlay: the packages this version pins differently from the common set
-  if [ -f "$HERE/deps-$V.txt" ] && [ "$V" != 0.5.12 ] && [ ! -f "$DEST/site-$V.tar.xz" ]; then
+  # overlay: the packages this version pins differently from the common set (deps-<V>.txt, else the
+  # base release's: 0.5.15.post1 -> deps-0.5.15.txt; deps-0.5.12.txt is the common set itself)
+  DEPS=$(deps_file "$V" ""); [ "$DEPS" != "$HERE/deps-0.5.12.txt" ] || DEPS=""
+  if [ -n "$DEPS" ] && [ ! -f "$DEST/site-$V.tar.xz" ]; then
     O="$BUILD/overlay-$V"; rm -rf "$O/site"; mkdir -p "$O/whl" "$O/site"
-    "${PIPDL[@]}" -d "$O/whl" -r "$HERE/deps-$V.txt"
+    "${PIPDL[@]}" -d "$O/whl" -r "$DEPS"
     "$PY312" -m pip install -q --no-deps --no-compile --no-index --target "$O/site" "$O"/whl/*.whl
-    rm -rf "$O/site/bin"
-    tar -C "$O/site" -cf - . | $XZ > "$DEST/site-$V.tar.xz"
+    # static archives are for C++ linking, never loaded by Python (xgrammar's libxgrammar.a: 65 MB)
+    rm -rf "$O/site/bin"; find "$O/site" -name '*.a' -print -delete | sed 's/^/  left out: /'
+    tar -C "$O/site" -cf - . | $XZ > "$DEST/site-$V.tar.xz.part"
+    mv "$DEST/site-$V.tar.xz.part" "$DEST/site-$V.tar.xz"
   fi
   if [ -f "$DEST/site-$V.tar.xz" ]; then
-    echo "overlay site-$V.tar.xz: $(grep -v '^#' "$HERE/deps-$V.txt" | tr '\n' ' ')" >> "$DEST/MANIFEST"
+    echo "overlay site-$V.tar.xz: $(grep -v '^#' "$DEPS" | tr '\n' ' ')" >> "$DEST/MANIFEST"
+  fi
+  # large packages (deps-<V>-large.txt): unpacked in the order listed, as pip lays them out (a later
+  # wheel's files replace an earlier one's), into extra-<D>.tar.xz; phase.py puts it after the overlay
+  LARGE=$(deps_file "$V" -large)
+  if [ -n "$LARGE" ]; then
+    XN="extra-$(basename "$LARGE" -large.txt | sed 's/^deps-//')"
+    if [ ! -f "$DEST/$XN.tar.xz" ]; then
+      X="$BUILD/$XN"; rm -rf "$X"; mkdir -p "$X/site"; i=0
+      for P in $(grep -v '^#' "$LARGE"); do
+        i=$((i + 1)); mkdir -p "$X/whl/$i"; "${PIPDL[@]}" -d "$X/whl/$i" "$P"
+        (cd "$X/site" && unzip -q -o "$X"/whl/$i/*.whl)
+      done
+      # the same bytes from every build of the same wheels, whatever the unpacking left in mtimes and owners
+      tar -C "$X/site" --sort=name --mtime=@0 --owner=0 --group=0 --numeric-owner -cf - . | $XZ \
+        > "$DEST/$XN.tar.xz.part"
+      mv "$DEST/$XN.tar.xz.part" "$DEST/$XN.tar.xz"
+    fi
+    echo "$XN" > "$DEST/sglang-$V.extra"
+    echo "extra $XN.tar.xz: $(grep -v '^#' "$LARGE" | tr '\n' ' ')" >> "$DEST/MANIFEST"
   fi
   # kernels: sgl_kernel without FA3/FlashMLA/sm100/mscclpp; flashinfer-python as released
   if [ ! -f "$DEST/kernels-$KV.tar.xz" ]; then
@@ -111,7 +153,8 @@ for V in "${VERSIONS[@]}"; do
     (cd "$K/site" && unzip -q -o "$K"/whl/sglang_kernel-*.whl -x 'sgl_kernel/flash_ops*' \
        'sgl_kernel/flashmla_ops*' 'sgl_kernel/sm100/*' 'lib/*' 'lib64/*' 'include/*' '_mscclpp*' \
      && unzip -q -o "$K"/whl/flashinfer_python-*.whl)
-    tar -C "$K/site" -cf - . | $XZ > "$DEST/kernels-$KV.tar.xz"
+    tar -C "$K/site" -cf - . | $XZ > "$DEST/kernels-$KV.tar.xz.part"
+    mv "$DEST/kernels-$KV.tar.xz.part" "$DEST/kernels-$KV.tar.xz"
   fi
   # sglang trees: pristine, then patched by dynctl
   VENV="$BUILD/venv-$V"   # always fresh: the pristine tarball must come from an unpatched tree
@@ -163,4 +206,7 @@ TOML
 done
 
 cp "$HERE"/device/*.py "$DEST/bin/"
-du -sh "$DEST"; ls -la "$DEST"
+
+# -- what does not fit one call (with the checkout's own files) moves to "${DEST}a", for a store call
+bash "$HERE/split_carry.sh" "$DEST" | tee -a "$DEST/MANIFEST"
+du -sh "$DEST" "${DEST}a" 2>/dev/null; ls -la "$DEST"

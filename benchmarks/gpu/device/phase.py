@@ -26,6 +26,7 @@ id, phase, release and the target's shape (runinfo.py), which summarize.py check
 """
 import argparse
 import glob
+import hashlib
 import json
 import os
 import re
@@ -72,9 +73,60 @@ def left():
     return BUDGET - (time.time() - T0)
 
 
+STORED = os.path.join(ENV, "stored")  # files an earlier `store` call left on this (warm) machine
+
+
+def carried(name):
+    """Path of a file of the carry: in this carry folder, else stored on this machine by a `store` call
+    (prepare.sh moves what does not fit one call into <carry>a), else joined from its two parts
+    (<name>.part-a stored, <name>.part-b here); one that did not travel here is checked against the
+    carry's SHA256SUMS."""
+    here = os.path.join(CARRY, name)
+    if os.path.exists(here):
+        return here
+    stored, a, b = os.path.join(STORED, name), os.path.join(STORED, name + ".part-a"), here + ".part-b"
+    if not os.path.exists(stored) and os.path.exists(a) and os.path.exists(b):
+        with open(stored + ".part", "wb") as out:
+            for part in (a, b):
+                with open(part, "rb") as f:
+                    shutil.copyfileobj(f, out, 1 << 20)
+        os.rename(stored + ".part", stored)
+    if not os.path.exists(stored):
+        raise SystemExit(f"{name} is neither in {CARRY} nor stored on this machine ({STORED}): carry "
+                         f"{os.path.basename(CARRY)}a (and {os.path.basename(CARRY)}b ... where prepare.sh made "
+                         f"them) each in a `store` call first, then this one at once (benchmarks/gpu/README.md)")
+    check_sum(name, stored)
+    return stored
+
+
+def has(name):
+    """Whether the carry has the file `name`, here or stored by a `store` call (whole or as part-a)."""
+    return any(os.path.exists(p) for p in (os.path.join(CARRY, name), os.path.join(STORED, name),
+                                           os.path.join(STORED, name + ".part-a")))
+
+
+def check_sum(name, path):
+    """A file that did not travel in this call must be the one prepare.sh built for this carry."""
+    sums = os.path.join(CARRY, "SHA256SUMS")
+    want = {}
+    for line in (open(sums).read().splitlines() if os.path.exists(sums) else []):
+        digest, listed = line.split(None, 1)
+        want[listed[2:] if listed.startswith("./") else listed] = digest
+    if name not in want:
+        raise SystemExit(f"{name}: stored on this machine, but {sums} does not list it; rebuild the carry")
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    if h.hexdigest() != want[name]:
+        raise SystemExit(f"{name}: the stored copy {path} is not this carry's (sha256 {h.hexdigest()[:12]}, "
+                         f"SHA256SUMS {want[name][:12]}); carry its store folder in a `store` call again")
+
+
 def extract(tar, dest, over=None):
     """`tar` unpacked at `dest` (over a copy of the folder `over`, for a tarball of changed files only),
     again whenever the tarball differs from the one unpacked there (a warm machine keeps ENV)."""
+    tar = carried(os.path.basename(tar)) if os.path.dirname(tar) == CARRY else tar
     st = os.stat(tar)
     stamp = f"{os.path.basename(tar)} {st.st_size} {int(st.st_mtime)} {over or ''}"
     try:
@@ -107,7 +159,7 @@ def tree_env(version, kind, copy_as=None):
     extract(os.path.join(CARRY, f"kernels-{kv}.tar.xz"), os.path.join(ENV, f"kernels-{kv}"))
     t = f"sglang-{version}-{kind}"
     changed = os.path.join(CARRY, t + ".files.tar.xz")
-    if not os.path.exists(os.path.join(CARRY, t + ".tar.xz")) and os.path.exists(changed):
+    if not has(t + ".tar.xz") and has(os.path.basename(changed)):
         # a patched tree carried as the files the patch changes, laid over the pristine tree
         pristine = f"sglang-{version}-pristine"
         extract(os.path.join(CARRY, pristine + ".tar.xz"), os.path.join(ENV, pristine))
@@ -121,9 +173,12 @@ def tree_env(version, kind, copy_as=None):
             shutil.copytree(os.path.join(ENV, t), tree)
     path = [tree, os.path.join(ENV, f"kernels-{kv}")]
     overlay = os.path.join(CARRY, f"site-{version}.tar.xz")
-    if os.path.exists(overlay):
+    if has(os.path.basename(overlay)):
         extract(overlay, os.path.join(ENV, f"site-{version}"))
         path.append(os.path.join(ENV, f"site-{version}"))
+    for name in extra_names(version):
+        extract(os.path.join(CARRY, name + ".tar.xz"), os.path.join(ENV, name))
+        path += [os.path.join(ENV, name)] + pth_dirs(os.path.join(ENV, name))
     env = dict(os.environ)
     env["PYTHONPATH"] = ":".join(path + [os.path.join(ENV, "site")])
     if not is_native(version):
@@ -132,17 +187,50 @@ def tree_env(version, kind, copy_as=None):
     return env
 
 
+def extra_names(version):
+    """The large-package bundles (extra-<D>.tar.xz, deps-<D>-large.txt) this release's carry lists."""
+    listed = os.path.join(CARRY, f"sglang-{version}.extra")
+    return open(listed).read().split() if os.path.exists(listed) else []
+
+
+def pth_dirs(site):
+    """The folders that the .pth files of `site` add to sys.path, as site.addsitedir would (PYTHONPATH
+    entries get no .pth processing: nvidia-cutlass-dsl is found only through its .pth)."""
+    dirs = []
+    for pth in sorted(glob.glob(os.path.join(site, "*.pth"))):
+        for line in open(pth).read().splitlines():
+            line = line.strip()
+            if line and not line.startswith(("#", "import ", "import\t")):
+                d = os.path.normpath(os.path.join(site, line))
+                if os.path.isdir(d):
+                    dirs.append(d)
+    return dirs
+
+
 def run_py(env, code):
     r = subprocess.run([sys.executable, "-c", code], env=env, text=True, capture_output=True)
     return r.returncode, (r.stdout.strip() or r.stderr.strip()[-2500:])
 
 
-def import_check(env):
-    rc, out = run_py(env, "import torch, sgl_kernel, flashinfer, transformers, sglang;"
-                          "import sglang.srt.managers.scheduler, sglang.srt.entrypoints.http_server, "
-                          "sglang.srt.speculative.eagle_worker_v2;"
+def import_check(env, version):
+    """The launch path's modules; where the tree has them, also those that the EAGLE worker imports
+    while it captures its CUDA graphs (dsa_backend, from 0.5.15) and the cutlass chain they need."""
+    mods = ["sglang.srt.server_args", "sglang.srt.managers.scheduler", "sglang.srt.entrypoints.http_server",
+            "sglang.srt.speculative.eagle_worker_v2"]
+    tree = env["PYTHONPATH"].split(":")[0]
+    for mod in ("sglang.srt.layers.attention.dsa_backend", "sglang.jit_kernel.dsa.cutedsl_paged_mqa_logits"):
+        if os.path.exists(os.path.join(tree, *mod.split(".")) + ".py") and (
+                "cutedsl" not in mod or extra_names(version)):
+            mods.append(mod)
+    if extra_names(version):
+        mods.insert(0, "cutlass")
+    # sgl_kernel loads its sm90 build only where a GPU says sm90 (it needs libcuda): on a CPU machine the
+    # check stops short of it, and of the CUDA-only imports that sglang guards with is_cuda()
+    first = "torch, sgl_kernel, flashinfer" if shutil.which("nvidia-smi") else "torch, flashinfer"
+    rc, out = run_py(env, f"import {first}, transformers, sglang;"
+                          f"import {', '.join(mods)};"
                           "print('torch', torch.__version__, 'sglang', sglang.__version__)")
-    say(f"import check rc={rc}: {out}")
+    say(f"import check rc={rc} ({', '.join(mods)}): {out}")
     return rc == 0
 
 
@@ -191,7 +279,7 @@ def setup(version, kinds):
     mt = threading.Thread(target=lambda: made.update(m=models()))
     mt.start()
     envs = {k: tree_env(version, k) for k in kinds}
-    ok = import_check(envs[kinds[0]]) and jit_warmup(envs[kinds[0]])
+    ok = import_check(envs[kinds[0]], version) and jit_warmup(envs[kinds[0]])
     mt.join()
     if not ok or "m" not in made:
         raise SystemExit("setup failed")
@@ -363,6 +451,10 @@ def dynctl_env(version):
     site = os.path.join(ENV, "dynsite")
     if not os.path.isdir(site):
         wheels = sorted(glob.glob(os.path.join(CARRY, "wheels", "*.whl")))
+        if not wheels:  # moved to <carry>a by prepare.sh and stored by a `store` call
+            wheels = sorted(glob.glob(os.path.join(STORED, "wheels", "*.whl")))
+            for w in wheels:
+                check_sum("wheels/" + os.path.basename(w), w)
         r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
                             "--no-compile", "--target", site] + wheels, text=True, capture_output=True)
         say(f"dynctl wheels installed rc={r.returncode} {r.stderr.strip()[-300:]}")
@@ -996,6 +1088,68 @@ def phase_tp(a):
     s.stop()
 
 
+def phase_store(a):
+    """Keep this carry folder's files on this machine for the calls that follow (prepare.sh moves what
+    does not fit one call into <carry>a, <carry>b ..., each carried in a call of its own): no server,
+    no GPU."""
+    os.makedirs(STORED, exist_ok=True)
+    for name in sorted(os.listdir(CARRY)):
+        if name in ("bin", "SHA256SUMS", "MANIFEST"):
+            continue
+        src, dst = os.path.join(CARRY, name), os.path.join(STORED, name)
+        if name.endswith(".part-a") and os.path.exists(dst[:-len(".part-a")]):
+            os.remove(dst[:-len(".part-a")])  # joined from an earlier part-a
+        if os.path.isdir(src):
+            shutil.rmtree(dst + ".part", ignore_errors=True)
+            shutil.copytree(src, dst + ".part")
+            shutil.rmtree(dst, ignore_errors=True)
+            os.rename(dst + ".part", dst)
+            files = [os.path.join(name, f) for f in sorted(os.listdir(dst))]
+        else:
+            shutil.copyfile(src, dst + ".part")
+            os.replace(dst + ".part", dst)
+            files = [name]
+        for f in files:
+            if not f.endswith(".part-a"):
+                check_sum(f, os.path.join(STORED, f))
+        say(f"stored {name}: {sum(os.path.getsize(os.path.join(STORED, f)) for f in files)} bytes in {STORED}")
+
+
+def phase_imports(a):
+    """A call's setup without a GPU (also on a CPU machine, to find a missing module before a GPU
+    call): the trees laid out as for a phase, the import check, and the phases' launch flags parsed by
+    the release's own prepare_server_args (no-spec, EAGLE-3, dynctl's adaptive config for N, and the
+    patched tree's threshold flag). GPU_MODEL_ARGS="... --device cpu" makes the models on a CPU."""
+    kinds = [k for k in ("pristine", "patched") if has(f"sglang-{a.version}-{k}.tar.xz")]
+    envs = {k: tree_env(a.version, k) for k in kinds}
+    m = models()
+    ok = all([import_check(envs[k], a.version) for k in kinds])
+    flags = [("pristine", "nospec", common_args(m, False)), ("pristine", "eagle3", common_args(m, True)),
+             ("patched", f"threshold {a.threshold}",
+              common_args(m, True, ["--speculative-disable-batch-threshold", str(a.threshold)]))]
+    if os.path.exists(os.path.join(CARRY, f"adaptive-t{a.threshold}.argv.json")):
+        cfg = os.path.join(CARRY, f"adaptive-t{a.threshold}.json")
+        argv = json.load(open(os.path.join(CARRY, f"adaptive-t{a.threshold}.argv.json")))
+        flags.append(("pristine", f"adaptive t{a.threshold}",
+                      common_args(m, True, [x.replace("{config}", cfg) for x in argv])))
+    show = ("speculative_algorithm", "speculative_num_steps", "speculative_num_draft_tokens", "attention_backend",
+            "speculative_disable_batch_threshold", "speculative_adaptive")
+    for kind, label, argv in flags:
+        if kind not in envs:
+            continue
+        env = dict(envs[kind], PHASE_ARGV=json.dumps(["--host", "127.0.0.1", "--port", "30000"] + argv),
+                   PHASE_SHOW=",".join(show))
+        rc, out = run_py(env, "import json, os; from sglang.srt.server_args import prepare_server_args;"
+                              "a = prepare_server_args(json.loads(os.environ['PHASE_ARGV']));"
+                              "print(json.dumps({k: getattr(a, k) for k in os.environ['PHASE_SHOW'].split(',')"
+                              " if hasattr(a, k)}, default=str))")
+        say(f"server args, {kind} tree, {label}: rc={rc}: {out[-1500:]}")
+        ok = ok and rc == 0
+    say(f"imports {a.version}: {'ok' if ok else 'FAILED'}")
+    if not ok:
+        raise SystemExit(1)
+
+
 def finish(phase, version):
     out = os.environ.get("OUT")
     if not out:
@@ -1028,7 +1182,7 @@ def fresh_results():
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("phase", choices=["speed", "check", "repeat", "native", "tp", "profile"])
+    ap.add_argument("phase", choices=["speed", "check", "repeat", "native", "tp", "profile", "store", "imports"])
     ap.add_argument("--tp", type=int, default=2, help="tp: tensor parallel size (GPUs)")
     ap.add_argument("--version", default="0.5.12.post1")
     ap.add_argument("--threshold", type=int, default=8,
@@ -1042,11 +1196,12 @@ def main():
     fresh_results()
     json.dump(RUN, open(os.path.join(RES, "run.json"), "w"))
     signal.signal(signal.SIGTERM, lambda signum, frame: (_ for _ in ()).throw(SystemExit(f"signal {signum}")))
-    say("gpu: " + subprocess.run(["nvidia-smi", "--query-gpu=name,memory.used,memory.total,driver_version",
-                                  "--format=csv,noheader"], text=True, capture_output=True).stdout.strip())
+    say("gpu: " + (subprocess.run(["nvidia-smi", "--query-gpu=name,memory.used,memory.total,driver_version",
+                                   "--format=csv,noheader"], text=True, capture_output=True).stdout.strip()
+                   if shutil.which("nvidia-smi") else "none (no nvidia-smi)"))
     try:
         {"speed": phase_speed, "check": phase_check, "repeat": phase_repeat, "native": phase_native, "tp": phase_tp,
-         "profile": phase_profile}[a.phase](a)
+         "profile": phase_profile, "store": phase_store, "imports": phase_imports}[a.phase](a)
     finally:
         say(f"phase {a.phase} {a.version} done in {time.time() - T0:.0f}s")
         finish(a.phase, a.version)

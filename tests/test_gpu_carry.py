@@ -1,0 +1,180 @@
+"""A carry too large for one device call: split_carry.sh moves what does not fit into a second folder,
+cutting a file in two if it must; a `phase.py store` call keeps that folder on the machine, and the next
+call's phase.py finds, joins and checks each file against the carry's SHA256SUMS.
+
+The scripts run as they do for a real carry (bash, a real `python3 phase.py store` process); the device
+is only the temporary folder that $GPU_ENV names.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DEVICE = ROOT / "benchmarks" / "gpu" / "device"
+SPLIT = ROOT / "benchmarks" / "gpu" / "split_carry.sh"
+MIB = 1 << 20
+
+
+def tarball(path: Path, size: int) -> bytes:
+    """A real .tar.xz of one file of `size` random bytes; returns them."""
+    data = os.urandom(size)
+    member = path.parent / "payload"
+    member.write_bytes(data)
+    with tarfile.open(path, "w:xz", preset=0) as t:
+        t.add(member, arcname="pkg/payload")
+    member.unlink()
+    return data
+
+
+def carry(tmp_path: Path) -> tuple[Path, dict[str, bytes]]:
+    """A carry folder as prepare.sh leaves it, before the split: tarballs, wheels/, small files, bin/."""
+    dest = tmp_path / ".gpu99"
+    (dest / "bin").mkdir(parents=True)
+    (dest / "wheels").mkdir()
+    for script in DEVICE.glob("*.py"):
+        shutil.copy(script, dest / "bin")
+    # the large ones stand in for tarballs by their bytes alone (compressing them would cost seconds)
+    (dest / "kernels-9.9.tar.xz").write_bytes(os.urandom(300_000))
+    (dest / "extra-9.9.tar.xz").write_bytes(os.urandom(700_000))
+    tarball(dest / "site.tar.xz", 20_000)
+    (dest / "wheels" / "dynctl-0.1.0-py3-none-any.whl").write_bytes(os.urandom(60_000))
+    (dest / "sglang-9.9.kernels").write_text("9.9\n")
+    (dest / "MANIFEST").write_text("test carry\n")
+    files = {str(p.relative_to(dest)): p.read_bytes() for p in dest.rglob("*") if p.is_file() and "bin" not in p.parts}
+    return dest, files
+
+
+def split(dest: Path, limit: int) -> subprocess.CompletedProcess:
+    """split_carry.sh with `limit` bytes a call (1 MiB less what it keeps to spare); its cwd is outside
+    any git work tree, so the checkout's own files count 0."""
+    return subprocess.run(["bash", str(SPLIT), str(dest)], cwd=dest.parent, text=True, capture_output=True,
+                          env=dict(os.environ, CARRY_MIB="1", SPARE_BYTES=str(MIB - limit)), timeout=60)
+
+
+def folder(path: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(path)): p.read_bytes() for p in path.rglob("*") if p.is_file()}
+
+
+@pytest.fixture
+def device(tmp_path, monkeypatch):
+    """phase.py imported with $GPU_ENV in tmp_path; `load(carry)` points it at a carry folder."""
+    env = tmp_path / "gpuenv"
+    monkeypatch.setenv("GPU_ENV", str(env))
+    monkeypatch.delenv("OUT", raising=False)
+    monkeypatch.syspath_prepend(str(DEVICE))
+    for name in ("phase", "client", "runinfo"):
+        sys.modules.pop(name, None)
+    module = importlib.import_module("phase")
+
+    def load(dest: Path):
+        monkeypatch.setattr(module, "CARRY", str(dest))
+        return module
+
+    yield env, load
+    for name in ("phase", "client", "runinfo"):
+        sys.modules.pop(name, None)
+
+
+def store(folder_a: Path, env: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(folder_a / "bin" / "phase.py"), "store"], cwd=folder_a.parent,
+                          text=True, capture_output=True, env=dict(os.environ, GPU_ENV=str(env)), timeout=120)
+
+
+def test_a_carry_over_one_call_is_split_then_stored_joined_and_checked(tmp_path, device):
+    dest, files = carry(tmp_path)
+    # 750 kB a call: the 1.2 MB carry (bin/ included) needs two calls, and the largest tarball with the
+    # second folder's own bin/ fits neither
+    r = split(dest, 750_000)
+    assert r.returncode == 0, r.stdout + r.stderr
+    a = tmp_path / ".gpu99a"
+    assert r.stdout.startswith("store calls: .gpu99a (") and "then .gpu99 (" in r.stdout
+    for part in (dest, a):
+        assert sum(p.stat().st_size for p in part.rglob("*") if p.is_file()) <= 750_000
+    assert (a / "extra-9.9.tar.xz.part-a").exists() and (dest / "extra-9.9.tar.xz.part-b").exists()
+    assert not (dest / "extra-9.9.tar.xz").exists() and (a / "bin" / "phase.py").exists()
+    assert (dest / "MANIFEST").exists() and (dest / "sglang-9.9.kernels").exists()
+
+    env, load = device
+    s = store(a, env)
+    assert s.returncode == 0, s.stdout + s.stderr
+    assert "stored extra-9.9.tar.xz.part-a" in s.stdout
+
+    phase = load(dest)
+    for name, data in files.items():
+        if name == "MANIFEST":
+            continue
+        assert phase.has(name), name
+        assert Path(phase.carried(name)).read_bytes() == data, name
+    assert not (dest / "site.tar.xz").exists()  # stored whole, extracted from there
+    phase.extract(os.path.join(str(dest), "site.tar.xz"), str(env / "site"))
+    with tarfile.open(a / "site.tar.xz") as t:
+        assert (env / "site" / "pkg" / "payload").read_bytes() == t.extractfile("pkg/payload").read()
+    if not (dest / "wheels").exists():
+        assert sorted(os.listdir(env / "stored" / "wheels")) == ["dynctl-0.1.0-py3-none-any.whl"]
+
+
+def test_a_call_before_the_store_call_says_to_make_it(tmp_path, device):
+    dest, _ = carry(tmp_path)
+    assert split(dest, 750_000).returncode == 0
+    _, load = device
+    phase = load(dest)
+    assert not phase.has("extra-9.9.tar.xz")
+    with pytest.raises(SystemExit, match=r"extra-9\.9\.tar\.xz is neither in .*\.gpu99 nor stored .*carry \.gpu99a "
+                                         r"\(and \.gpu99b \.\.\. where prepare\.sh made them\) each in a `store`"):
+        phase.carried("extra-9.9.tar.xz")
+
+
+def test_a_stored_copy_of_another_build_is_refused(tmp_path, device):
+    dest, _ = carry(tmp_path)
+    assert split(dest, 750_000).returncode == 0
+    env, load = device
+    assert store(tmp_path / ".gpu99a", env).returncode == 0
+    part = env / "stored" / "extra-9.9.tar.xz.part-a"
+    part.write_bytes(b"x" + part.read_bytes()[1:])
+    with pytest.raises(SystemExit, match=r"extra-9\.9\.tar\.xz: the stored copy .* is not this carry's"):
+        load(dest).carried("extra-9.9.tar.xz")
+
+
+def test_the_split_is_undone_by_join_and_a_carry_too_large_is_left_as_it_was(tmp_path):
+    dest, files = carry(tmp_path)
+    assert split(dest, 750_000).returncode == 0
+    r = subprocess.run(["bash", str(SPLIT), "--join", str(dest)], text=True, capture_output=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert not (tmp_path / ".gpu99a").exists()
+    joined = folder(dest)
+    assert {k: v for k, v in joined.items() if k != "SHA256SUMS" and not k.startswith("bin/")} == files
+
+    before = folder(dest)
+    r = split(dest, 150_000)  # 1.2 MB does not fit four calls of 150 kB, each with its bin/
+    assert r.returncode == 1
+    assert "carry too large for 4 calls" in r.stdout
+    assert not (tmp_path / ".gpu99a").exists()
+    assert {k: v for k, v in folder(dest).items() if k != "SHA256SUMS"} == {
+        k: v for k, v in before.items() if k != "SHA256SUMS"}
+
+
+def test_a_carry_that_fits_stays_one_folder(tmp_path):
+    dest, files = carry(tmp_path)
+    r = split(dest, 4 * MIB)
+    assert r.returncode == 0 and r.stdout.startswith("one call: .gpu99")
+    assert not (tmp_path / ".gpu99a").exists()
+    sums = dict(line.split()[::-1] for line in (dest / "SHA256SUMS").read_text().splitlines())
+    assert set(sums) == {"./" + name for name in files if name != "MANIFEST"}
+
+
+def test_a_bundle_found_through_its_pth_file_is_put_on_the_path(tmp_path, device):
+    site = tmp_path / "extra"
+    (site / "nvidia_cutlass_dsl" / "python_packages" / "cutlass").mkdir(parents=True)
+    (site / "nvidia_cutlass_dsl.pth").write_text("nvidia_cutlass_dsl/python_packages\n")
+    (site / "other.pth").write_text("# a comment\nimport sys\nmissing_dir\n")
+    _, load = device
+    assert load(tmp_path).pth_dirs(str(site)) == [str(site / "nvidia_cutlass_dsl" / "python_packages")]
