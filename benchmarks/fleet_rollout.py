@@ -167,7 +167,7 @@ def main() -> None:
         op = RollingOperation(config, fleet, "deploy", 5, on_event=clock, soak=0, drain=args.drain, grace=20)
         with Traffic(gateway, args.streams) as load:
             t0 = time.perf_counter()
-            record, results = op.run(lambda q: None)
+            record, results = op.run(lambda q: True)
             total = time.perf_counter() - t0
         op.close()
         rows = []

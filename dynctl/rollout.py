@@ -61,7 +61,7 @@ class Rollout:
     target: str  # the threshold, or the rollback's --to
     started: str
     hosts: dict[str, str] = field(default_factory=dict)  # host -> pending | draining | running | registering | done | failed
-    state: str = "running"  # running | done | failed
+    state: str = "running"  # running | done | failed | stopped (declined at the canary pause)
     results: list[dict[str, Any]] = field(default_factory=list)
 
     @property
@@ -205,7 +205,9 @@ class RollingOperation:
 
     # ---------------------------------------------------------------- the rollout
 
-    def run(self, yes_to_canary: Callable[[str], None]) -> tuple[Rollout, list[HostResult]]:
+    def run(self, yes_to_canary: Callable[[str], bool]) -> tuple[Rollout, list[HostResult]]:
+        """Roll every host that needs it; `yes_to_canary` is asked after the canary hosts, and a False stops the
+        rollout there (state "stopped"): the hosts after them stay untouched."""
         plans = self.preflight()
         target = str(self.target)
         record = unfinished(self.fleet.name)
@@ -254,7 +256,14 @@ class RollingOperation:
             if i == 1 and self.canary:
                 left = ", ".join(p.member.host.name for b in batches[1:] for p in b)
                 done = ", ".join(p.member.host.name for p in batches[0])
-                yes_to_canary(f"Canary hosts done ({done}); continue with {left}?")
+                if not yes_to_canary(f"Canary hosts done ({done}); continue with {left}?"):
+                    for p in (p for b in batches[1:] for p in b):
+                        self.results[p.member.host.name].detail = "stopped at the canary pause"
+                    self.on_event(events.Note(f"stopped at the canary pause: {done} done; {left} untouched"))
+                    record.state = "stopped"
+                    record.results = [asdict(r) for r in self.results.values()]
+                    record.save()
+                    return record, list(self.results.values())
                 self.on_event(events.Note(f"canary hosts done ({done}): going on with {left}"))
             outcomes = fan_out(batch, lambda p: self._one(p, record, p.member.host.name in middle),
                                self.max_unavailable)
@@ -370,9 +379,11 @@ class RollingOperation:
             client.close()
 
 
-def exit_code(results: list[HostResult]) -> int:
+def exit_code(results: list[HostResult], state: str = "done") -> int:
+    """0 when every host is done; 1 when one failed, or the rollout stopped at the canary pause after changing
+    the canary hosts (never 3: those hosts did change)."""
     failed = [r for r in results if r.outcome == "failed"]
-    return 0 if not failed else 1
+    return 1 if failed or state == "stopped" else 0
 
 
 __all__ = ["DEFAULT_DRAIN_S", "HostResult", "Rollout", "RollingOperation", "exit_code", "list_rollouts",
