@@ -299,6 +299,7 @@ class RollingOperation:
         try:
             record.mark(host.name, "draining")
             t = time.monotonic()
+            staging = self._stage(p, sink) if operate and clients else None
             for client in clients:
                 self._drain(client, url, p, sink)
             result.drain_s = time.monotonic() - t
@@ -306,7 +307,7 @@ class RollingOperation:
             t = time.monotonic()
             if operate:
                 try:
-                    outcome = self._operate(p, sink)
+                    outcome = self._operate(p, sink, staging.result() if staging else None)
                     result.outcome = outcome
                 except DynctlError as err:
                     ok = False
@@ -355,10 +356,17 @@ class RollingOperation:
                 return
             time.sleep(0.05)  # a sample is itself a round trip
 
-    def _operate(self, p: HostPlan, sink: events.EventSink) -> str:
+    def _stage(self, p: HostPlan, sink: events.EventSink) -> "_Staging | None":
+        """The deploy's validation on the host while the gateway drains it (nothing there changes)."""
+        if self.action != "deploy" or p.plan is None or not p.plan.files:
+            return None
+        return _Staging(p, sink)
+
+    def _operate(self, p: HostPlan, sink: events.EventSink, staged: str | None = None) -> str:
         if self.action == "deploy":
             assert p.plan is not None
-            core.deploy(p.agent, p.plan, sink, grace=self.grace, ready_timeout=self.ready_timeout, soak=self.soak)
+            core.deploy(p.agent, p.plan, sink, grace=self.grace, ready_timeout=self.ready_timeout, soak=self.soak,
+                        staged=staged)
             return "deployed"
         core.rollback(p.agent, p.member.host, self.target, sink, grace=self.grace, ready_timeout=self.ready_timeout,
                       soak=self.soak)
@@ -377,6 +385,34 @@ class RollingOperation:
     def close(self) -> None:
         for client in self.gateways.values():
             client.close()
+
+
+class _Staging:
+    """core.stage in a thread of its own; `result()` waits for it: the key, or None (the deploy then validates
+    itself, and a validation that fails is reported by the deploy, which refuses before its switch)."""
+
+    def __init__(self, p: HostPlan, sink: events.EventSink):
+        self.p, self.sink = p, sink
+        self.key: str | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True, name=f"stage-{p.member.host.name}")
+        self.started = time.monotonic()
+        self.elapsed = 0.0
+        self.thread.start()
+
+    def _run(self) -> None:
+        assert self.p.plan is not None
+        try:
+            self.key = core.stage(self.p.agent, self.p.plan)
+        except DynctlError as err:
+            self.sink(events.Note(f"validating ahead of the switch did not run ({err}); the deploy validates itself"))
+        self.elapsed = time.monotonic() - self.started
+
+    def result(self) -> str | None:
+        self.thread.join()
+        if self.key:
+            self.sink(events.StepDone("stage", self.elapsed, "candidates validated with the server's interpreter "
+                                                             "during the drain"))
+        return self.key
 
 
 def exit_code(results: list[HostResult], state: str = "done") -> int:

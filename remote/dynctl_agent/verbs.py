@@ -39,6 +39,7 @@ VERBS = {
     "patch_revert": ("patch", "patch_revert", False),
     "releases": ("releases", "list_releases", False),
     "deploy_context": ("deploy", "deploy_context", False),
+    "deploy_stage": ("patch", "stage_release", False),
     "server_info": ("serverinfo", "server_info_verb", False),
     "set_threshold": ("serverinfo", "set_threshold", False),
     "bench_probe": ("bench", "bench_probe", False),
