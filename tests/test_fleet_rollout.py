@@ -68,6 +68,8 @@ def test_rolling_deploy_drops_no_request(fleet):
     assert all_ready(fleet)
     for host in ("h1", "h2", "h3"):
         assert f"{host}: removed from {fleet.gateway}" in out.stdout
+        # the candidates were compiled while the gateway drained the host, not after it
+        assert f"{host}: candidates validated with the server's interpreter during the drain" in out.stdout
     assert "deployed" in out.stdout
 
     again = dynctl("deploy", "--threshold", "5", "--host", "prod", "--yes", config=fleet.config)
