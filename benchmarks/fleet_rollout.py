@@ -16,8 +16,11 @@ Reported:
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -104,24 +107,42 @@ def _cpu_ticks(pid: int) -> int:
 
 class HostSideCPU:
     """The CPU the hosts' side of a call took on this box: every SSH session, agent, verb and nvidia-smi runs
-    under the one sshd and is reaped by it once its connection closes, so its CPU is the sshd's
-    cumulative children time, read after the connections are closed and their sshd processes gone."""
+    under the one sshd. A session is reaped by the sshd once its connection closes (its CPU is the sshd's
+    cumulative children time); an agent or nvidia-smi that outlives its session (a watch ends at its next
+    write) is orphaned, and this process, a child subreaper while it measures, reaps it (its CPU is ours
+    of children). Both are read once every connection and orphan is gone."""
+
+    PR_SET_CHILD_SUBREAPER = 36
 
     def __init__(self, sshd_pid: int) -> None:
         self.sshd = psutil.Process(sshd_pid)
         self.tick = os.sysconf("SC_CLK_TCK")
+        self.keep = {c.pid for c in psutil.Process().children()}  # the sshd and anything else of ours
+        self.libc = ctypes.CDLL(None, use_errno=True)
+        if self.libc.prctl(self.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+            raise SystemExit(f"prctl(PR_SET_CHILD_SUBREAPER): {os.strerror(ctypes.get_errno())}")
 
-    def settled(self) -> int:
+    def close(self) -> None:
+        self.libc.prctl(self.PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
+
+    def settled(self) -> float:
         close_all()
         deadline = time.monotonic() + 30
-        while self.sshd.children() and time.monotonic() < deadline:
-            time.sleep(0.02)  # the connections' sshd processes exit once their clients have gone
-        if self.sshd.children():
-            raise SystemExit("the sshd's connection processes did not exit in 30 s")
-        return _cpu_ticks(self.sshd.pid)
+        while True:
+            orphans = [c.pid for c in psutil.Process().children() if c.pid not in self.keep]
+            for pid in orphans:
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, os.WNOHANG)
+            if not orphans and not self.sshd.children():
+                break
+            if time.monotonic() > deadline:
+                raise SystemExit("the sshd's sessions or their orphans did not exit in 30 s")
+            time.sleep(0.02)
+        own = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return _cpu_ticks(self.sshd.pid) / self.tick + own.ru_utime + own.ru_stime
 
-    def seconds(self, before: int) -> float:
-        return (self.settled() - before) / self.tick
+    def seconds(self, before: float) -> float:
+        return self.settled() - before
 
 
 def timed_status(config, group: str, cpu: HostSideCPU, runs: int = 3) -> dict[str, float]:
@@ -174,6 +195,7 @@ def main() -> None:
     ap.add_argument("--drain", type=float, default=2.0)
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--json")
+    ap.add_argument("--status-only", action="store_true", help="measure status alone, no rollout")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-fleet-"))
     fh = start_fake_host(tmp / "sshd", marker=f"bench-fleet-{time.time_ns()}", max_sessions=64)
@@ -199,6 +221,9 @@ def main() -> None:
         report["load_average_at_status"] = os.getloadavg()
         status_report(report, 8, timed_status(config, "eight", cpu), slowest)
         status_report(report, n_status, timed_status(config, "all", cpu), slowest)
+        cpu.close()
+        if args.status_only:
+            return _print(report, args)
         # the rollout's hosts only, from here on
         close_all()
         fan_out(names[args.hosts:], lambda n: AgentClient(connect(config.hosts[n], config), config.hosts[n]).call(
@@ -259,6 +284,10 @@ def main() -> None:
         close_all()
         fh.stop()
         shutil.rmtree(tmp, ignore_errors=True)
+    _print(report, args)
+
+
+def _print(report: dict, args: argparse.Namespace) -> None:
     for r in report.get("hosts", []):
         print(f"{r['host']:<5}{r['outcome']:<10} total {r['elapsed_s']:6.2f}  drain {r['drain_s']:5.2f}  stop "
               f"{r['stop_s']:5.2f}  start→ready {r['start_ready_s']:5.2f}  overhead {r['overhead_s']:5.2f} s (host "
