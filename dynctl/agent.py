@@ -39,7 +39,9 @@ LOOK_TIMEOUT = 30.0  # for what only looks (the live feed, `dynctl hosts`): an u
 
 
 def boot_argv(python: str, workdir: str) -> list[str]:
-    return [python, "-c", _CONSTANTS + resources.host_program("checks", "boot"), workdir, resources.agent_digest(),
+    # -S: the agent is the standard library and its own copy, so site's work (site-packages, every .pth file
+    # of the server's environment) is skipped on every call
+    return [python, "-S", "-c", _CONSTANTS + resources.host_program("checks", "boot"), workdir, resources.agent_digest(),
             resources.host_program("words")]
 
 

@@ -156,7 +156,7 @@ def rolling_deploy(fleet: DemoFleet, threshold: int, on_event: events.EventSink 
     assert target is not None
     op = RollingOperation(fleet.config, target, "deploy", threshold, on_event=on_event, drain=drain, grace=10)
     try:
-        return op.run(lambda question: None)[1]
+        return op.run(lambda question: True)[1]
     finally:
         op.close()
 

@@ -61,7 +61,7 @@ class Rollout:
     target: str  # the threshold, or the rollback's --to
     started: str
     hosts: dict[str, str] = field(default_factory=dict)  # host -> pending | draining | running | registering | done | failed
-    state: str = "running"  # running | done | failed
+    state: str = "running"  # running | done | failed | stopped (declined at the canary pause)
     results: list[dict[str, Any]] = field(default_factory=list)
 
     @property
@@ -205,7 +205,9 @@ class RollingOperation:
 
     # ---------------------------------------------------------------- the rollout
 
-    def run(self, yes_to_canary: Callable[[str], None]) -> tuple[Rollout, list[HostResult]]:
+    def run(self, yes_to_canary: Callable[[str], bool]) -> tuple[Rollout, list[HostResult]]:
+        """Roll every host that needs it; `yes_to_canary` is asked after the canary hosts, and a False stops the
+        rollout there (state "stopped"): the hosts after them stay untouched."""
         plans = self.preflight()
         target = str(self.target)
         record = unfinished(self.fleet.name)
@@ -254,7 +256,14 @@ class RollingOperation:
             if i == 1 and self.canary:
                 left = ", ".join(p.member.host.name for b in batches[1:] for p in b)
                 done = ", ".join(p.member.host.name for p in batches[0])
-                yes_to_canary(f"Canary hosts done ({done}); continue with {left}?")
+                if not yes_to_canary(f"Canary hosts done ({done}); continue with {left}?"):
+                    for p in (p for b in batches[1:] for p in b):
+                        self.results[p.member.host.name].detail = "stopped at the canary pause"
+                    self.on_event(events.Note(f"stopped at the canary pause: {done} done; {left} untouched"))
+                    record.state = "stopped"
+                    record.results = [asdict(r) for r in self.results.values()]
+                    record.save()
+                    return record, list(self.results.values())
                 self.on_event(events.Note(f"canary hosts done ({done}): going on with {left}"))
             outcomes = fan_out(batch, lambda p: self._one(p, record, p.member.host.name in middle),
                                self.max_unavailable)
@@ -290,6 +299,7 @@ class RollingOperation:
         try:
             record.mark(host.name, "draining")
             t = time.monotonic()
+            staging = self._stage(p, sink) if operate and clients else None
             for client in clients:
                 self._drain(client, url, p, sink)
             result.drain_s = time.monotonic() - t
@@ -297,7 +307,7 @@ class RollingOperation:
             t = time.monotonic()
             if operate:
                 try:
-                    outcome = self._operate(p, sink)
+                    outcome = self._operate(p, sink, staging.result() if staging else None)
                     result.outcome = outcome
                 except DynctlError as err:
                     ok = False
@@ -346,10 +356,17 @@ class RollingOperation:
                 return
             time.sleep(0.05)  # a sample is itself a round trip
 
-    def _operate(self, p: HostPlan, sink: events.EventSink) -> str:
+    def _stage(self, p: HostPlan, sink: events.EventSink) -> "_Staging | None":
+        """The deploy's validation on the host while the gateway drains it (nothing there changes)."""
+        if self.action != "deploy" or p.plan is None or not p.plan.files:
+            return None
+        return _Staging(p, sink)
+
+    def _operate(self, p: HostPlan, sink: events.EventSink, staged: str | None = None) -> str:
         if self.action == "deploy":
             assert p.plan is not None
-            core.deploy(p.agent, p.plan, sink, grace=self.grace, ready_timeout=self.ready_timeout, soak=self.soak)
+            core.deploy(p.agent, p.plan, sink, grace=self.grace, ready_timeout=self.ready_timeout, soak=self.soak,
+                        staged=staged)
             return "deployed"
         core.rollback(p.agent, p.member.host, self.target, sink, grace=self.grace, ready_timeout=self.ready_timeout,
                       soak=self.soak)
@@ -370,9 +387,39 @@ class RollingOperation:
             client.close()
 
 
-def exit_code(results: list[HostResult]) -> int:
+class _Staging:
+    """core.stage in a thread of its own; `result()` waits for it: the key, or None (the deploy then validates
+    itself, and a validation that fails is reported by the deploy, which refuses before its switch)."""
+
+    def __init__(self, p: HostPlan, sink: events.EventSink):
+        self.p, self.sink = p, sink
+        self.key: str | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True, name=f"stage-{p.member.host.name}")
+        self.started = time.monotonic()
+        self.elapsed = 0.0
+        self.thread.start()
+
+    def _run(self) -> None:
+        assert self.p.plan is not None
+        try:
+            self.key = core.stage(self.p.agent, self.p.plan)
+        except DynctlError as err:
+            self.sink(events.Note(f"validating ahead of the switch did not run ({err}); the deploy validates itself"))
+        self.elapsed = time.monotonic() - self.started
+
+    def result(self) -> str | None:
+        self.thread.join()
+        if self.key:
+            self.sink(events.StepDone("stage", self.elapsed, "candidates validated with the server's interpreter "
+                                                             "during the drain"))
+        return self.key
+
+
+def exit_code(results: list[HostResult], state: str = "done") -> int:
+    """0 when every host is done; 1 when one failed, or the rollout stopped at the canary pause after changing
+    the canary hosts (never 3: those hosts did change)."""
     failed = [r for r in results if r.outcome == "failed"]
-    return 0 if not failed else 1
+    return 1 if failed or state == "stopped" else 0
 
 
 __all__ = ["DEFAULT_DRAIN_S", "HostResult", "Rollout", "RollingOperation", "exit_code", "list_rollouts",

@@ -6,11 +6,21 @@ The scenarios share one fleet and run in order: a rollout to 5, a failing one, o
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
+import os
+import re
+import select
 import signal
+import struct
 import subprocess
 import sys
+import termios
+import threading
+import time
 
+import httpx
 import pytest
 from demo_box import dynctl
 from fleet_harness import SMG, Fleet, dynctl_env
@@ -23,8 +33,6 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory, sshd, demo_template):
-    import os
-
     if not os.path.exists(SMG):
         pytest.fail("smg not found: pip install -e '.[test]' installs the gateway (smg==1.13.0)")
     made = Fleet.build(tmp_path_factory.mktemp("fleet"), sshd, demo_template("0.5.9"))
@@ -60,6 +68,8 @@ def test_rolling_deploy_drops_no_request(fleet):
     assert all_ready(fleet)
     for host in ("h1", "h2", "h3"):
         assert f"{host}: removed from {fleet.gateway}" in out.stdout
+        # the candidates were compiled while the gateway drained the host, not after it
+        assert f"{host}: candidates validated with the server's interpreter during the drain" in out.stdout
     assert "deployed" in out.stdout
 
     again = dynctl("deploy", "--threshold", "5", "--host", "prod", "--yes", config=fleet.config)
@@ -152,3 +162,127 @@ def test_without_a_gateway_the_rollout_goes_host_by_host_and_says_there_is_no_dr
         assert f"{host}: no gateway in front of it: no drain" in out.stdout + out.stderr
     assert "removed from" not in out.stdout
     assert thresholds(fleet) == {"h1": 11, "h2": 11, "h3": 11}
+
+
+def test_max_unavailable_two_drains_two_hosts_at_once_and_the_third_after_them(fleet):
+    names = {u: h for h, u in zip(("h1", "h2", "h3"), fleet.worker_urls())}
+    seen: list[frozenset[str]] = []  # the hosts out of selection (not listed, or not ready), sample by sample
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
+                workers = fleet.workers()
+                seen.append(frozenset(h for u, h in names.items()
+                                      if workers.get(u, {}).get("status", "").lower() != "ready"))
+            stop.wait(0.05)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    with fleet.traffic() as load:
+        watcher.start()
+        try:
+            out = dynctl("deploy", "--threshold", "13", "--host", "prod", "--max-unavailable", "2", *ROLL,
+                         config=fleet.config)
+        finally:
+            stop.set()
+            watcher.join(10)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert load.failures == [] and load.cut == [], (load.failures[:5], load.cut[:5])
+    assert thresholds(fleet) == {"h1": 13, "h2": 13, "h3": 13}
+    assert frozenset({"h1", "h2"}) in seen, sorted(set(seen), key=len)  # the first two out of the gateway together
+    assert max(len(s) for s in seen) == 2  # never all three: one host served all along
+    assert all(s == {"h3"} for s in seen if "h3" in s)  # h3 only once both were back and ready
+    assert frozenset({"h3"}) in seen
+    assert "2 at a time" in out.stdout
+
+
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07|\r")
+
+
+class OnPty:
+    """The CLI on a real pseudo-terminal: stdin, stdout and stderr all a TTY, as an operator runs it."""
+
+    def __init__(self, *args: str, config):
+        master, slave = os.openpty()
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 200, 0, 0))
+        self.proc = subprocess.Popen([sys.executable, "-m", "dynctl", *args, "--config", str(config)], stdin=slave,
+                                     stdout=slave, stderr=slave, start_new_session=True)
+        os.close(slave)
+        self.fd, self.raw = master, b""
+
+    @property
+    def text(self) -> str:
+        return ANSI.sub("", self.raw.decode("utf-8", "replace"))
+
+    def _read(self, wait: float) -> bool:
+        ready, _, _ = select.select([self.fd], [], [], wait)
+        if not ready:
+            return True
+        try:
+            chunk = os.read(self.fd, 65536)
+        except OSError:  # EIO: every holder of the slave side has closed it
+            return False
+        self.raw += chunk
+        return bool(chunk)
+
+    def expect(self, text: str, timeout: float = 180) -> None:
+        deadline = time.monotonic() + timeout
+        while text not in self.text:
+            if time.monotonic() > deadline or not self._read(0.2) and text not in self.text:
+                raise AssertionError(f"{text!r} never appeared; the terminal shows:\n{self.text[-3000:]}")
+
+    def answer(self, word: str) -> None:
+        os.write(self.fd, word.encode() + b"\n")
+
+    def finish(self, timeout: float = 180) -> int:
+        deadline = time.monotonic() + timeout
+        while self._read(0.2) and time.monotonic() < deadline:
+            pass
+        os.close(self.fd)
+        return self.proc.wait(max(1.0, deadline - time.monotonic()))
+
+
+CANARY_PROMPT = "Canary hosts done (h1); continue with h2, h3?"
+
+
+def test_canary_pause_on_a_tty_no_stops_the_rollout_leaving_the_rest_untouched(fleet):
+    before = thresholds(fleet)
+    term = OnPty("deploy", "--threshold", "15", "--host", "prod", "--canary", "1", "--soak", "0.5", "--drain", "3",
+                 "--grace", "20", config=fleet.config)
+    try:
+        term.expect("through " + fleet.gateway)  # the rollout's own confirmation first
+        term.answer("y")
+        term.expect(CANARY_PROMPT)
+        # the prompt comes once the canary host is deployed and back in the gateway, before anything else moves
+        assert thresholds(fleet) == {"h1": 15, "h2": before["h2"], "h3": before["h3"]}
+        assert all_ready(fleet)
+        term.answer("n")
+    finally:
+        code = term.finish()
+    assert code == 1, term.text  # not 3: the canary host did change
+    assert "stopped at the canary pause: h2, h3 untouched" in term.text
+    rows = {line.split()[0]: line for line in term.text.splitlines() if line.startswith(("h1 ", "h2 ", "h3 "))}
+    assert "deployed" in rows["h1"] and "untouched" in rows["h2"] and "untouched" in rows["h3"], term.text
+    assert thresholds(fleet) == {"h1": 15, "h2": before["h2"], "h3": before["h3"]}
+    assert all_ready(fleet)
+    ops = dynctl("ops", "list", "--host", "prod", "--json", config=fleet.config)
+    newest = json.loads(ops.stdout)[0]
+    assert (newest["target"], newest["state"]) == ("15", "stopped")
+    assert newest["hosts"] == {"h1": "done", "h2": "pending", "h3": "pending"}
+
+
+def test_canary_pause_on_a_tty_yes_goes_on_with_the_rest(fleet):
+    term = OnPty("deploy", "--threshold", "17", "--host", "prod", "--canary", "1", "--soak", "0.5", "--drain", "3",
+                 "--grace", "20", config=fleet.config)
+    try:
+        term.expect("through " + fleet.gateway)
+        term.answer("y")
+        term.expect(CANARY_PROMPT)
+        assert thresholds(fleet)["h1"] == 17 and {thresholds(fleet)[h] for h in ("h2", "h3")} != {17}
+        term.answer("y")
+        term.expect("canary hosts done (h1): going on with h2, h3")
+    finally:
+        code = term.finish()
+    assert code == 0, term.text
+    assert thresholds(fleet) == {"h1": 17, "h2": 17, "h3": 17}
+    wait_for(lambda: all_ready(fleet), 30, "every host ready in the gateway")

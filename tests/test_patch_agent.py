@@ -444,3 +444,43 @@ def test_cli_apply_on_versions_without_a_patch(make_box, tmp_path: Path, version
     assert result.exit_code == code and text in " ".join(result.output.split())
     status = CliRunner().invoke(app, ["patch", "status", "--config", str(_config(tmp_path, box)), "--json"])
     assert json.loads(status.output)["strategy"] == ("unsupported" if version == "0.5.13" else "native")
+
+
+# --------------------------------------------------------------------------- validation staged ahead of the switch
+
+
+def _compile_events(box: Box) -> list[dict]:
+    return [e for e in box.journal() if e["event"] == "patch.candidates.compiled"]
+
+
+def test_staged_validation_touches_nothing_and_stands_in_for_the_apply_compile(make_box) -> None:
+    box = make_box("0.5.9")
+    files = plan_for_apply(read_patch_state(box.agent)).files_for_agent()
+    staged = box.agent.call("deploy_stage", files=files, sglang_version="0.5.9")
+    key = staged["staged"]
+    assert key and staged["reused"] is False
+    # staged, never switched: sglang's tree as it was, no release, no candidate; one record in the workdir
+    assert box.hashes() == box.pristine and box.releases() == [] and box.leftovers() == []
+    assert sorted(os.listdir(box.workdir / "staged")) == [f"{key}.json"]
+    assert box.agent.call("deploy_stage", files=files, sglang_version="0.5.9") == {"staged": key, "reused": True}
+    box.agent.call("patch_apply", files=files, sglang_version="0.5.9", staged=key)
+    [compiled] = _compile_events(box)
+    assert compiled["staged"] == key  # the apply ran no py_compile of its own
+    assert not (box.workdir / "staged").exists()  # the record is used once
+    assert box.hashes() != box.pristine
+
+
+def test_a_staged_record_of_other_texts_is_not_trusted(make_box) -> None:
+    box = make_box("0.5.9")
+    files = plan_for_apply(read_patch_state(box.agent)).files_for_agent()
+    key = box.agent.call("deploy_stage", files=files, sglang_version="0.5.9")["staged"]
+    entry = next(f for f in files if f["path"] == SERVER_ARGS)
+    broken = entry["text"].replace('            metavar="N",\n', '            metavar="N"\n', 1)
+    entry.update(text=broken, sha256_after=hashlib.sha256(broken.encode()).hexdigest())
+    with pytest.raises(AgentError, match="does not compile") as err:  # validated again, and refused
+        box.agent.call("patch_apply", files=files, sglang_version="0.5.9", staged=key)
+    assert err.value.exit_code == 3
+    assert box.hashes() == box.pristine and box.releases() == [] and box.leftovers() == []
+    assert not (box.workdir / "staged").exists()
+    assert box.agent.call("deploy_stage", files=files, sglang_version="0.5.9")["staged"] is None  # nor staged
+    assert box.hashes() == box.pristine and not any((box.workdir / "staged").glob("*.json"))

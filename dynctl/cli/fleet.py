@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -165,6 +166,17 @@ DrainOpt = typer.Option(rollout_core.DEFAULT_DRAIN_S, "--drain", min=1, max=3600
                              "worker is removed.")
 
 
+def go_on(question: str, yes: bool) -> bool:
+    """The canary pause: --yes goes on; on a TTY the operator's answer; without one, stop there."""
+    if yes:
+        return True
+    if not sys.stdin.isatty():
+        err_console.print(f"{question.rstrip('?')}: stopping here without --yes (stdin is not a terminal)",
+                          soft_wrap=True)
+        return False
+    return typer.confirm(question, default=False)
+
+
 def rolling(action: str, target_value: Any, found: tuple[Config, Fleet], *, yes: bool, dry_run: bool, grace: float,
             ready_timeout: float, soak: float, drain: float, max_unavailable: int, canary: int, as_json: bool,
             verbose: bool) -> None:
@@ -191,7 +203,7 @@ def rolling(action: str, target_value: Any, found: tuple[Config, Fleet], *, yes:
                 console.print("[dim]dry run: nothing was changed[/]")
             return
         try:
-            record, results = operation.run(lambda question: confirm(question, yes))
+            record, results = operation.run(lambda question: go_on(question, yes))
         except KeyboardInterrupt:
             if operation.record is None:
                 raise
@@ -200,7 +212,7 @@ def rolling(action: str, target_value: Any, found: tuple[Config, Fleet], *, yes:
                               "host in the middle first, and back in its gateway)") from None
     finally:
         operation.close()
-    code = rollout_core.exit_code(results)
+    code = rollout_core.exit_code(results, record.state)
     if as_json:
         console.print_json(json.dumps({"rollout": record.id, "fleet": fleet.name, "state": record.state,
                                        "hosts": [r.__dict__ for r in results]}, default=str))
@@ -213,6 +225,10 @@ def rolling(action: str, target_value: Any, found: tuple[Config, Fleet], *, yes:
                       f"{r.operation_s:.1f} s" if r.operation_s else "-",
                       f"{r.register_s:.1f} s" if r.register_s else "-", escape(r.detail[:160]))
     console.print(table)
+    if record.state == "stopped":
+        left = ", ".join(r.host for r in results if r.outcome == "untouched")
+        console.print(f"stopped at the canary pause: {escape(left)} untouched; the same command goes on from here "
+                      "(hosts already on the target are skipped)", soft_wrap=True)
     raise typer.Exit(code)
 
 
@@ -269,7 +285,7 @@ def run_fleet_screen(cfg: Config, group: str, read_only: bool = False, interval:
     def rollout(action: str, arg: Any, on_event: Callable[[Any], None]) -> list[Any]:
         operation = rollout_core.RollingOperation(cfg, fleet, action, arg, on_event=on_event)
         try:
-            return operation.run(lambda question: None)[1]  # the screen's dialog was the confirmation
+            return operation.run(lambda question: True)[1]  # the screen's dialog was the confirmation
         finally:
             operation.close()
 

@@ -132,7 +132,8 @@ def install_nvidia_smi(target: Path, gpu_dir: Path) -> None:
     lines = body.splitlines(keepends=True)
     if lines and lines[0].startswith("#!"):
         lines = lines[1:]
-    text = f"#!{sys.executable}\n" + "".join(lines)
+    # -S: the stand-in is the standard library alone; the real tool is a C binary that starts at once
+    text = f"#!{sys.executable} -S\n" + "".join(lines)
     if target.is_file() and target.read_text(encoding="utf-8") == text:
         return
     _write_text(target, text)

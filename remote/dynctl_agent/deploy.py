@@ -185,7 +185,8 @@ def _stop(ctx, grace, taking):
 
 
 def op_deploy(ctx, oplog, files, sglang_version, strategy, threshold, launch_argv, baseline_argv,
-              artifacts=None, grace=60, ready_timeout=900, soak=DEFAULT_SOAK_S, effective_threshold=None, adopt=None):
+              artifacts=None, grace=60, ready_timeout=900, soak=DEFAULT_SOAK_S, effective_threshold=None, adopt=None,
+              staged=None):
     grace, ready_timeout, soak = seconds("grace", grace), seconds("ready_timeout", ready_timeout), seconds("soak", soak)
     loc = servers.locate(ctx)
     taking = servers.preflight(ctx, loc, "deploy", adopt)
@@ -199,7 +200,7 @@ def op_deploy(ctx, oplog, files, sglang_version, strategy, threshold, launch_arg
     with oplog.step("switch", "validate with %s, back up, swap %d file(s)" % (ctx.python, len(files))):
         applied = patch.apply_release(ctx, files, sglang_version, strategy=strategy, threshold=threshold,
                                       launch_argv=launch_argv, artifacts=artifacts,
-                                      effective_threshold=effective_threshold)
+                                      effective_threshold=effective_threshold, staged=staged)
     release = applied["release"]
     try:
         argv = applied["manifest"]["launch_argv"]

@@ -62,7 +62,7 @@ def op_start(ctx, kind, params=None, op_id=None):
                                                        dead.get("started")))
                     store.write_json_atomic(path, request)
                 oprecords.prune(ctx, keep_id=op_id)
-                worker = spawn_detached([sys.executable, _WORKER, _ROOT, path],
+                worker = spawn_detached([sys.executable, "-S", _WORKER, _ROOT, path],
                                         oprecords.op_file(ctx, op_id, ".log"), ctx.workdir)
                 holder.update({"pid": worker, "pid_start": procfs.wait_start_time(worker), "op": op_id})
                 # From here the worker speaks for the operation; it adopts the lock itself if this write is lost.

@@ -45,7 +45,7 @@ def patch_read(ctx, files=()):
 
 
 def apply_release(ctx, files, sglang_version, strategy="patch", threshold=None, launch_argv=None,
-                  artifacts=None, import_check_timeout=300.0, effective_threshold=None):
+                  artifacts=None, import_check_timeout=300.0, effective_threshold=None, staged=None):
     """Swap in new file texts as one transaction and record a release (caller holds the host lock).
 
     files: [{path, sha256_before, sha256_after, text}] (paths relative to the sglang package).
@@ -53,14 +53,22 @@ def apply_release(ctx, files, sglang_version, strategy="patch", threshold=None, 
     originals backed up → manifest (state applying) → os.replace each → stale __pycache__ dropped →
     import check → manifest (state applied) and `current`. A failure before the swap changes nothing
     and leaves no release directory; a failure after it restores every original first.
+
+    staged: the key stage_release answered for these files; when its record still matches (the same texts,
+    the same interpreter), their py_compile was done there and is not run again. The record is removed.
     """
-    package_dir = _preflight(ctx, sglang_version, artifacts)
-    entries = _entries(package_dir, files)
-    releases.journal(ctx, "patch.apply.begin", sglang_version=sglang_version, strategy=strategy, threshold=threshold,
-                     files=[e["path"] for e in entries])
-    apply = _Apply(ctx, package_dir, entries)
-    apply.write_candidates()
-    apply.compile_candidates()
+    try:
+        package_dir = _preflight(ctx, sglang_version, artifacts)
+        entries = _entries(package_dir, files)
+        releases.journal(ctx, "patch.apply.begin", sglang_version=sglang_version, strategy=strategy,
+                         threshold=threshold, files=[e["path"] for e in entries])
+        apply = _Apply(ctx, package_dir, entries)
+        apply.write_candidates()
+        if not (staged and _staged_ok(ctx, entries, staged)):
+            apply.compile_candidates()
+    finally:
+        if staged:
+            drop_staged(ctx)
     manifest = apply.back_up(sglang_version, strategy, threshold, effective_threshold, launch_argv, artifacts)
     apply.swap()
     check = apply.import_check(strategy, import_check_timeout)
@@ -69,6 +77,84 @@ def apply_release(ctx, files, sglang_version, strategy="patch", threshold=None, 
         releases.prune(ctx)
     return {"release": apply.release_id, "release_dir": apply.release_dir, "current": current, "manifest": manifest,
             "import_check": check, "pycache_dropped": apply.dropped}
+
+
+STAGED = "staged"  # workdir/staged/<key>.json: a deploy's candidates validated ahead of its switch
+
+
+def _interpreter(ctx):
+    """What decides whether a text compiles: the server's interpreter as resolved now (path, inode, size,
+    mtime) and the environment variables it reads; None when it cannot be found."""
+    env = hostinfo.server_env(ctx)
+    exe = ctx.python if os.sep in ctx.python else shutil.which(ctx.python, path=env.get("PATH"))
+    try:
+        real = os.path.realpath(exe)
+        st = os.stat(real)
+    except (OSError, TypeError):
+        return None
+    return [ctx.python, exe, real, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns,
+            sorted((k, v) for k, v in env.items() if k.startswith("PYTHON") or k in ("PATH", "VIRTUAL_ENV"))]
+
+
+def _staged_key(ctx, entries):
+    interpreter = _interpreter(ctx)
+    if interpreter is None:
+        return None
+    what = [interpreter, sorted([e["path"], e["sha256_after"]] for e in entries)]
+    return hashlib.sha256(json.dumps(what).encode()).hexdigest()[:32]
+
+
+def _staged_ok(ctx, entries, key):
+    """Whether the staged record `key` is the validation of exactly these candidates with this interpreter."""
+    record = store.read_json(ctx.path(STAGED, "%s.json" % os.path.basename(str(key))))
+    if not (isinstance(record, dict) and record.get("ok") and record.get("key") == key
+            and _staged_key(ctx, entries) == key):
+        return False
+    releases.journal(ctx, "patch.candidates.compiled", files=[e["path"] for e in entries], staged=key)
+    return True
+
+
+def drop_staged(ctx):
+    """Remove every staged record (each is of use to the next deploy only)."""
+    shutil.rmtree(ctx.path(STAGED), ignore_errors=True)
+
+
+def stage_release(ctx, files, sglang_version):
+    """A deploy's validation ahead of its switch, while the gateway drains the host: the same checks of the
+    targets and texts as the apply, and py_compile of each text with the server's interpreter, in a folder of
+    the workdir. Nothing of sglang's tree or the server is touched, and no lock is taken: what is left is a
+    record naming the validated texts and interpreter (reused by a deploy of the same files, a re-run's
+    included, and removed by it). Answers {"staged": key} or {"staged": None, "errors": [...]}."""
+    package_dir = _preflight(ctx, sglang_version, None)
+    entries = _entries(package_dir, files)
+    key = _staged_key(ctx, entries)
+    if key is None or not entries:
+        return {"staged": None, "errors": []}
+    record_path = ctx.path(STAGED, "%s.json" % key)
+    record = store.read_json(record_path)
+    if isinstance(record, dict) and record.get("ok") and record.get("key") == key:
+        return {"staged": key, "reused": True}
+    drop_staged(ctx)
+    os.makedirs(ctx.path(STAGED), mode=0o700, exist_ok=True)
+    folder = ctx.path(STAGED, key)
+    os.makedirs(folder, mode=0o700)
+    try:
+        pairs = []
+        for i, e in enumerate(entries):
+            name = os.path.join(folder, "%d-%s" % (i, os.path.basename(e["target"])))
+            store.write_bytes(name, e["data"], 0o600)
+            pairs.append([name, e["target"]])
+        rc, out, err = hostinfo.run_python(ctx, hostinfo.program("compile_candidates"), json.dumps(pairs), timeout=120)
+        if rc != 0:
+            return {"staged": None, "errors": [err.strip()[-500:]]}
+        bad = [r for r in json.loads(out.strip().splitlines()[-1]) if not r["ok"]]
+        if bad:
+            return {"staged": None, "errors": bad}
+        store.write_json_atomic(record_path, {"key": key, "ok": True, "created": store.now_iso(),
+                                              "files": [[e["path"], e["sha256_after"]] for e in entries]})
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return {"staged": key, "reused": False}
 
 
 def _preflight(ctx, sglang_version, artifacts):
@@ -374,10 +460,10 @@ def revert_release(ctx, release=None):
 
 
 def patch_apply(ctx, files, sglang_version, strategy="patch", threshold=None, launch_argv=None, artifacts=None,
-                import_check_timeout=300.0):
+                import_check_timeout=300.0, staged=None):
     with lock.host_lock(ctx, "patch apply"), lock.hangup_shield():
         return apply_release(ctx, files, sglang_version, strategy, threshold, launch_argv, artifacts,
-                             float(import_check_timeout))
+                             float(import_check_timeout), staged=staged)
 
 
 def patch_revert(ctx, release=None, all=False):

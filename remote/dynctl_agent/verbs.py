@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import inspect
 import json
 import os
 import socket
@@ -39,6 +38,7 @@ VERBS = {
     "patch_revert": ("patch", "patch_revert", False),
     "releases": ("releases", "list_releases", False),
     "deploy_context": ("deploy", "deploy_context", False),
+    "deploy_stage": ("patch", "stage_release", False),
     "server_info": ("serverinfo", "server_info_verb", False),
     "set_threshold": ("serverinfo", "set_threshold", False),
     "bench_probe": ("bench", "bench_probe", False),
@@ -66,18 +66,28 @@ def load(entry):
     return getattr(importlib.import_module("dynctl_agent." + entry[0]), entry[1])
 
 
+def _parameters(fn):
+    """(names, those without a default) of a plain function's parameters, in order, read from its code object
+    (what inspect.signature says of a verb or operation, without importing inspect for every call)."""
+    code = fn.__code__
+    names = list(code.co_varnames[:code.co_argcount + code.co_kwonlyargcount])
+    positional = names[:code.co_argcount]
+    with_default = set(positional[len(positional) - len(fn.__defaults__ or ()):]) | set(fn.__kwdefaults__ or {})
+    return names, [n for n in names if n not in with_default]
+
+
 def check_params(what, fn, params, leading=1):
     """Refuse (usage) a request whose parameters `fn` does not declare, or that lacks one it requires; the
     first `leading` parameters are the agent's own (the Context, an operation's log), never the client's."""
     if not isinstance(params, dict):
         raise AgentError("parameters for %s must be a JSON object, got %s" % (what, type(params).__name__), "usage")
-    declared = list(inspect.signature(fn).parameters.values())[leading:]
-    names = {p.name for p in declared}
-    unknown = sorted(set(params) - names)
+    declared, required = _parameters(fn)
+    declared, required = declared[leading:], required[leading:]
+    unknown = sorted(set(params) - set(declared))
     if unknown:
         raise AgentError("unsupported parameters for %s: %s (it takes: %s); nothing was changed"
-                         % (what, ", ".join(unknown), ", ".join(p.name for p in declared) or "none"), "usage")
-    missing = [p.name for p in declared if p.default is inspect.Parameter.empty and p.name not in params]
+                         % (what, ", ".join(unknown), ", ".join(declared) or "none"), "usage")
+    missing = [name for name in required if name not in params]
     if missing:
         raise AgentError("missing parameters for %s: %s; nothing was changed" % (what, ", ".join(missing)), "usage")
 
