@@ -74,10 +74,10 @@ def child_push(hosts: int) -> None:
 
 def child_live(port: int, workdir: str) -> None:
     """The TUI on one real host: LiveFeed → Local transport → the agent's watch verb → the HTTP server."""
-    from dynctl.config import HostConfig
+    from dynctl.base.config import HostConfig
     from tui_harness import RecordingActions
 
-    from dynctl.feed import LiveFeed
+    from dynctl.live.feed import LiveFeed
     from dynctl.tui.app import create_app
 
     host = HostConfig(name="bench", python=sys.executable, workdir=workdir, port=port)

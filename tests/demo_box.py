@@ -25,7 +25,7 @@ from typing import Any
 
 import psutil
 
-from dynctl import deploy as core
+from dynctl.core import deploy as core
 from dynctl.cli.common import HostSession, open_host
 from dynctl.sim.hostsetup import prepare_demo_host
 from sglang_trees import sglang_wheel

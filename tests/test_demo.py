@@ -13,8 +13,8 @@ import pytest
 from sglang_trees import sglang_wheel
 from sshd_harness import free_port
 
-from dynctl.config import load_config
-from dynctl.demo import register_demo_host
+from dynctl.base.config import load_config
+from dynctl.actions.demo import register_demo_host
 
 
 def run(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
@@ -90,14 +90,14 @@ def test_register_replaces_an_old_demo_section_in_any_spelling_and_keeps_what_fo
 def test_register_refuses_a_broken_config(tmp_path):
     path = tmp_path / "config.toml"
     path.write_text("[hosts.a\n")
-    proc = subprocess.run([sys.executable, "-c", "from dynctl.demo import register_demo_host as r; "
+    proc = subprocess.run([sys.executable, "-c", "from dynctl.actions.demo import register_demo_host as r; "
                            f"r({{'port': 1}}, {str(path)!r})"], capture_output=True, text=True)
     assert proc.returncode != 0 and "TOML syntax error" in proc.stderr
     assert path.read_text() == "[hosts.a\n"
 
 
 def test_demo_root_follows_xdg(tmp_path, monkeypatch):
-    from dynctl.demo import demo_root
+    from dynctl.actions.demo import demo_root
 
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
     assert demo_root() == Path(tmp_path) / "dynctl" / "demo"

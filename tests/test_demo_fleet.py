@@ -13,7 +13,7 @@ import pytest
 from polling import alive, wait_for
 from sglang_trees import sglang_wheel
 
-from dynctl.config import load_config
+from dynctl.base.config import load_config
 
 pytestmark = pytest.mark.slow
 

@@ -11,8 +11,8 @@ from textual.widgets import DataTable, Static
 from tui_harness import T0, PushFeed, RecordingActions
 from watch_items import item
 
-from dynctl import events
-from dynctl.rollout import HostResult
+from dynctl.base import events
+from dynctl.core.rollout import HostResult
 from dynctl.tui.fleet import create_fleet_app, fleet_totals, host_row
 from dynctl.tui.modals import ThresholdModal
 from dynctl.tui.widgets import HeaderBar
@@ -121,7 +121,7 @@ async def test_read_only_has_no_rollout_keys():
 
 
 def test_rows_and_totals_are_pure_functions_of_the_snapshots():
-    from dynctl.snapshot import HostSnapshot
+    from dynctl.live.snapshot import HostSnapshot
 
     snap = HostSnapshot("a", T0, state="ready", threshold=5, running_reqs=2, speculation=True, gen_throughput=812.4,
                         release="20261201T1200-abc")

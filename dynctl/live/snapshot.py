@@ -12,19 +12,11 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from dynctl import sglang
-from dynctl.metrics import (
-    GpuStat,
-    MetricsFormatError,
-    ServerMetrics,
-    parse_compute_apps_csv,
-    parse_decode_line,
-    parse_gpu_csv,
-    parse_threshold_warning,
-    parse_transition_line,
-    read_server_metrics,
-    split_log_prefix,
-)
+from dynctl.base import sglang
+from dynctl.base.parsers import MetricsFormatError
+from dynctl.base.parsers.nvidia_smi import GpuStat, parse_compute_apps_csv, parse_gpu_csv
+from dynctl.base.parsers.prometheus import ServerMetrics, read_server_metrics
+from dynctl.base.parsers.serverlog import parse_decode_line, parse_threshold_warning, parse_transition_line, split_log_prefix
 
 LOG_RESTARTED = "──── log restarted (new server run) ────"
 SERVER_STATES = ("down", "starting", "ready", "draining", "unresponsive", "unknown")
