@@ -48,9 +48,9 @@ def patches_dir() -> Path:
     return _shipped_dir("patches", "_patches", "spec_batch_threshold.py")
 
 
-# The agent imports dynctl.base.sglang and dynctl.base.hostspec as the client does; the archive carries those modules.
+# The agent imports dynctl.base.sglang and dynctl.base.hostspec as the client does; the archive carries them.
 CLIENT_MODULES = ("base/sglang.py", "base/hostspec.py")
-_CLIENT_PART = b'"""The part of the dynctl client that the host agent imports: dynctl.base.sglang, dynctl.base.hostspec."""\n'
+_CLIENT_PART = b'"""The part of the dynctl client that the host agent imports: base.sglang, base.hostspec."""\n'
 
 
 def agent_files(agent_dir: Path | None = None, sglang_file: Path | None = None) -> dict[str, bytes]:

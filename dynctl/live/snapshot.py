@@ -241,19 +241,11 @@ def build_snapshot(item: dict[str, Any], host: str, prev: HostSnapshot | None = 
         operation=_operation(item.get("lock") or None),
         threshold=threshold,
         release_threshold=release_threshold,
-        running_reqs=_first(live[0], metrics.running_reqs, decode.running_reqs if decode else None) if up else None,
         idle=idle,
-        queue_reqs=_first(live[1], metrics.queue_reqs, decode.queue_reqs if decode else None) if up else None,
-        token_usage=_first(live[2], metrics.token_usage, decode.token_usage if decode else None) if up else None,
-        used_tokens=_first(metrics.used_tokens, decode.tokens if decode else None) if up else None,
-        max_total_tokens=metrics.max_total_tokens if up else None,
-        gen_throughput=_first(rate, metrics.gen_throughput, decode.gen_throughput if decode else None) if up else None,
-        accept_length=_first(metrics.accept_length, decode.accept_length if decode else None,
-                             state_info.get("avg_spec_accept_length")) if up and spec_configured is not False else None,
+        **(_server_numbers(metrics, live, decode, rate, state_info, spec_configured) if up else {}),
         spec_configured=spec_configured,
         speculation=speculation,
         last_switch=last_switch,
-        disabled_steps=metrics.spec_disabled_steps if up else None,
         gpus=gpus,
         gpu_error=gpu_error,
         gpu_processes=holders,
@@ -274,6 +266,23 @@ def build_snapshot(item: dict[str, Any], host: str, prev: HostSnapshot | None = 
         counter_window=window,
         last_decode_time=last_decode,
         info_time=info_time,
+    )
+
+
+def _server_numbers(metrics: ServerMetrics, live: tuple[int | None, int | None, float | None],
+                    decode: DecodeLine | None, rate: float | None, state_info: dict[str, Any],
+                    spec_configured: bool | None) -> dict[str, Any]:
+    """The live numbers of a running server, each from the most direct source that has it."""
+    return dict(
+        running_reqs=_first(live[0], metrics.running_reqs, decode.running_reqs if decode else None),
+        queue_reqs=_first(live[1], metrics.queue_reqs, decode.queue_reqs if decode else None),
+        token_usage=_first(live[2], metrics.token_usage, decode.token_usage if decode else None),
+        used_tokens=_first(metrics.used_tokens, decode.tokens if decode else None),
+        max_total_tokens=metrics.max_total_tokens,
+        gen_throughput=_first(rate, metrics.gen_throughput, decode.gen_throughput if decode else None),
+        accept_length=_first(metrics.accept_length, decode.accept_length if decode else None,
+                             state_info.get("avg_spec_accept_length")) if spec_configured is not False else None,
+        disabled_steps=metrics.spec_disabled_steps,
     )
 
 
