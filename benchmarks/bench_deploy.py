@@ -26,10 +26,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from dynctl import deploy as core  # noqa: E402
-from dynctl import events  # noqa: E402
+from dynctl.core import deploy as core  # noqa: E402
+from dynctl.base import events  # noqa: E402
 from dynctl.cli.common import open_host  # noqa: E402
-from dynctl.lifecycle import restart_server, server_argv  # noqa: E402
+from dynctl.core.lifecycle import restart_server, server_argv  # noqa: E402
 from dynctl.sim.hostsetup import prepare_demo_host  # noqa: E402
 from dynctl.transport import close_all  # noqa: E402
 from sglang_trees import sglang_wheel  # noqa: E402

@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from dynctl import lifecycle  # noqa: E402
+from dynctl.core import lifecycle  # noqa: E402
 from lifecycle_harness import make_box  # noqa: E402
 
 VARIANTS = {"plain": (), "children": ("--children",), "orphan-port": ("--orphan-port",)}

@@ -39,9 +39,9 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from ssh_tunnel import forward_local  # noqa: E402
 from sshd_harness import start_fake_host  # noqa: E402
 
-from dynctl.agent import AgentClient  # noqa: E402
+from dynctl.agent.client import AgentClient  # noqa: E402
 from dynctl.bench.stats import summarize_level  # noqa: E402
-from dynctl.config import HostConfig  # noqa: E402
+from dynctl.base.config import HostConfig  # noqa: E402
 
 
 def load_agent_module():

@@ -28,8 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from dynctl.agent import AgentClient  # noqa: E402
-from dynctl.config import HostConfig, SSHTarget  # noqa: E402
+from dynctl.agent.client import AgentClient  # noqa: E402
+from dynctl.base.config import HostConfig, SSHTarget  # noqa: E402
 from dynctl.transport.local import Local  # noqa: E402
 from dynctl.transport.pct import Pct  # noqa: E402
 from dynctl.transport.ssh import SSH  # noqa: E402

@@ -74,10 +74,10 @@ def child_push(hosts: int) -> None:
 
 def child_live(port: int, workdir: str) -> None:
     """The TUI on one real host: LiveFeed → Local transport → the agent's watch verb → the HTTP server."""
-    from dynctl.config import HostConfig
+    from dynctl.base.config import HostConfig
     from tui_harness import RecordingActions
 
-    from dynctl.feed import LiveFeed
+    from dynctl.live.feed import LiveFeed
     from dynctl.tui.app import create_app
 
     host = HostConfig(name="bench", python=sys.executable, workdir=workdir, port=port)
@@ -98,6 +98,8 @@ class Tmux:
         return subprocess.run(["tmux", *args], env=self.env, capture_output=True, text=True, check=True).stdout
 
     def start(self, argv: list[str]) -> psutil.Process:
+        """Runs `argv` (python, a script, --child…) in the pane; the script's process, once it runs."""
+        script = Path(argv[1]).name
         w, h = self.size
         command = " ".join(["env", "TERM=xterm-256color", *(_q(a) for a in argv)])
         self.tmux("-f", "/dev/null", "new-session", "-d", "-s", self.session, "-x", str(w), "-y", str(h), command)
@@ -105,7 +107,7 @@ class Tmux:
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:  # the pane's shell may exec python or run it as a child
             for p in [psutil.Process(pane), *psutil.Process(pane).children(recursive=True)]:
-                if "bench_tui.py" in " ".join(p.cmdline()) and "--child" in " ".join(p.cmdline()):
+                if script in " ".join(p.cmdline()) and "--child" in " ".join(p.cmdline()):
                     return p
             time.sleep(0.05)
         raise RuntimeError("the TUI process did not start")

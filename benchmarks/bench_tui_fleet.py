@@ -18,23 +18,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
-import psutil  # noqa: E402
-from bench_tui import Tmux, _q  # noqa: E402
-
-
-class FleetTmux(Tmux):
-    def start(self, argv: list[str]) -> psutil.Process:
-        w, h = self.size
-        command = " ".join(["env", "TERM=xterm-256color", *(_q(a) for a in argv)])
-        self.tmux("-f", "/dev/null", "new-session", "-d", "-s", self.session, "-x", str(w), "-y", str(h), command)
-        pane = int(self.tmux("display-message", "-p", "-t", self.session, "#{pane_pid}").strip())
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:  # the pane's shell may exec python or run it as a child
-            for p in [psutil.Process(pane), *psutil.Process(pane).children(recursive=True)]:
-                if "bench_tui_fleet.py" in " ".join(p.cmdline()) and "--child" in " ".join(p.cmdline()):
-                    return p
-            time.sleep(0.05)
-        raise RuntimeError("the fleet screen did not start")
+from bench_tui import Tmux  # noqa: E402
 
 
 def child(hosts: int) -> None:
@@ -81,7 +65,7 @@ def main() -> int:
 
     size = tuple(int(x) for x in args.size.split("x"))
     with tempfile.TemporaryDirectory() as tmp:
-        tm = FleetTmux(Path(tmp), size)  # type: ignore[arg-type]
+        tm = Tmux(Path(tmp), size)  # type: ignore[arg-type]
         try:
             proc = tm.start([sys.executable, __file__, "--child", str(args.hosts)])
             tm.wait_for("tok/s")

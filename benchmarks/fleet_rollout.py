@@ -34,13 +34,13 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from dynctl import events  # noqa: E402
-from dynctl.agent import AgentClient  # noqa: E402
-from dynctl.config import load_config  # noqa: E402
-from dynctl.fleet import fan_out, fleet_status, fleet_target  # noqa: E402
-from dynctl.lifecycle import restart_server, server_argv  # noqa: E402
-from dynctl.rollout import RollingOperation  # noqa: E402
-from dynctl.server_status import sample_server  # noqa: E402
+from dynctl.base import events  # noqa: E402
+from dynctl.agent.client import AgentClient  # noqa: E402
+from dynctl.base.config import load_config  # noqa: E402
+from dynctl.core.fleet import fan_out, fleet_status, fleet_target  # noqa: E402
+from dynctl.core.lifecycle import restart_server, server_argv  # noqa: E402
+from dynctl.core.rollout import RollingOperation  # noqa: E402
+from dynctl.live.server_status import sample_server  # noqa: E402
 from dynctl.sim.hostsetup import install_nvidia_smi, prepare_demo_host  # noqa: E402
 from dynctl.transport import close_all, connect  # noqa: E402
 from fleet_harness import SMG, Traffic  # noqa: E402

@@ -90,7 +90,7 @@ def demo_box(request: pytest.FixtureRequest, demo_template, tmp_path: Path) -> I
     """
     from demo_box import dynctl, kill_servers_of, make_demo_box
 
-    from dynctl.config import load_config
+    from dynctl.base.config import load_config
     from dynctl.transport import close_all
 
     made: list[Path] = []

@@ -25,7 +25,7 @@ from typing import Any
 
 import psutil
 
-from dynctl import deploy as core
+from dynctl.core import deploy as core
 from dynctl.cli.common import HostSession, open_host
 from dynctl.sim.hostsetup import prepare_demo_host
 from sglang_trees import sglang_wheel
@@ -73,6 +73,25 @@ def write_config(path: Path, hosts: Mapping[str, Mapping[str, Any]], default_hos
 def dynctl(*args: str, config: Path, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "dynctl", *args, "--config", str(config)],
                           capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=timeout)
+
+
+def demo_env(tmp_path: Path, home: Path) -> tuple[dict[str, str], Path]:
+    """The environment of a `dynctl demo` run in `home`, and its data folder (XDG_DATA_HOME), whose download
+    cache already holds the sglang 0.5.9 wheel."""
+    data = tmp_path / "data"
+    cache = data / "dynctl" / "demo" / "cache"
+    cache.mkdir(parents=True)
+    wheel = sglang_wheel("0.5.9")
+    shutil.copy(wheel, cache / wheel.name)  # the demo downloads it otherwise; the test cache has it
+    env = dict(os.environ, HOME=str(home), XDG_DATA_HOME=str(data))
+    env.pop("DYNCTL_CONFIG", None)
+    return env, data
+
+
+def dynctl_in(env: dict[str, str], *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`dynctl ARGS` in the environment `env` (its own config, data and home)."""
+    return subprocess.run([sys.executable, "-m", "dynctl", *args], capture_output=True, text=True, env=env,
+                          stdin=subprocess.DEVNULL, timeout=timeout)
 
 
 def session(config: Path) -> HostSession:

@@ -22,9 +22,10 @@ import pytest
 from polling import alive, wait_for
 from sshd_harness import free_port
 
-from dynctl import events, lifecycle
-from dynctl.agent import AgentClient
-from dynctl.config import HostConfig
+from dynctl.base import events
+from dynctl.core import lifecycle
+from dynctl.agent.client import AgentClient
+from dynctl.base.config import HostConfig
 from dynctl.transport.local import Local
 
 HERE = Path(__file__).resolve().parent

@@ -8,7 +8,7 @@ import builtins
 from dynctl.patching.engine import _unapply_recipe
 from dynctl.patching.recipe import recipes
 from dynctl.patching.versions import variant_for
-from dynctl.sglang import parse_version
+from dynctl.base.sglang import parse_version
 
 FLAG = "--speculative-disable-batch-threshold"
 FIELD = "speculative_disable_batch_threshold"

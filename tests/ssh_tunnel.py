@@ -19,7 +19,7 @@ from typing import Any
 
 import paramiko
 
-from dynctl.errors import UnreachableError
+from dynctl.base.errors import UnreachableError
 from dynctl.transport.ssh import SSH
 
 log = logging.getLogger("dynctl.ssh")

@@ -264,7 +264,7 @@ class FakeHost:
 
     def ssh(self, **kwargs: Any):
         """A dynctl SSH transport to this host: its key trusted, the client key as identity."""
-        from dynctl.config import SSHTarget
+        from dynctl.base.config import SSHTarget
         from dynctl.transport.ssh import SSH
 
         kwargs.setdefault("known_hosts_path", str(self.trusted_known_hosts()))

@@ -18,9 +18,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from dynctl import adoption, lifecycle
-from dynctl.errors import PreflightError
-from dynctl.snapshot import build_snapshot
+from dynctl.core import adoption, lifecycle
+from dynctl.base.errors import PreflightError
+from dynctl.live.snapshot import build_snapshot
 from lifecycle_harness import SHIM, Box, box, listening, wait_for  # noqa: F401 - box is a fixture
 from demo_box import dynctl, server_pid, session
 

@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from dynctl import deploy as core
+from dynctl.core import deploy as core
 
 
 @pytest.fixture

@@ -13,12 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from dynctl import resources
+from dynctl.agent import archive
 from dynctl_agent import verbs
-from dynctl.agent import AgentClient, AgentError
-from dynctl.config import HostConfig
-from dynctl.errors import PreflightError
-from dynctl.inventory import describe_host
+from dynctl.agent.client import AgentClient, AgentError
+from dynctl.base import sglang
+from dynctl.base.config import HostConfig
+from dynctl.base.errors import PreflightError
+from dynctl.core.inventory import describe_host
 from dynctl.transport.local import Local
 
 
@@ -29,20 +30,20 @@ def make_agent(tmp_path: Path, **overrides) -> AgentClient:
 
 
 def installed(workdir: Path) -> Path:
-    return workdir / "agent" / resources.agent_digest()
+    return workdir / "agent" / archive.agent_digest()
 
 
 def test_uploads_once_under_its_hash(tmp_path):
     agent = make_agent(tmp_path)
     assert agent.call("ping")["pong"] is True
     root = installed(tmp_path / "work")
-    for name, data in resources.agent_files().items():
+    for name, data in archive.agent_files().items():
         assert (root / name).read_bytes() == data
         assert (root / name).stat().st_mode & 0o777 == 0o600
     tag = sys.implementation.cache_tag
     assert (root / "dynctl_agent" / "__pycache__" / f"verbs.{tag}.pyc").is_file()  # compiled once, at upload
-    assert (root / "dynctl" / "__pycache__" / f"sglang.{tag}.pyc").is_file()
-    assert sorted(p.name for p in (tmp_path / "work" / "agent").iterdir()) == [resources.agent_digest()]
+    assert (root / "dynctl" / "base" / "__pycache__" / f"sglang.{tag}.pyc").is_file()
+    assert sorted(p.name for p in (tmp_path / "work" / "agent").iterdir()) == [archive.agent_digest()]
     assert agent.round_trips == 3  # missing → upload → call
     agent.call("ping")
     assert agent.round_trips == 4  # already there: one round trip
@@ -58,7 +59,7 @@ def test_workdir_with_spaces_and_dollar(tmp_path):
 def test_the_archive_is_the_same_bytes_whatever_the_checkout(tmp_path):
     """Another copy of the sources, written in another order with other mtimes and stale bytecode beside
     them, packs to the very same archive: one content hash per version of the agent."""
-    source = resources.remote_dir() / "dynctl_agent"
+    source = archive.remote_dir() / "dynctl_agent"
     copy = tmp_path / "checkout" / "dynctl_agent"
     copy.mkdir(parents=True)
     names = [p.name for p in source.glob("*.py")]
@@ -69,12 +70,12 @@ def test_the_archive_is_the_same_bytes_whatever_the_checkout(tmp_path):
     (copy / "__pycache__").mkdir()
     (copy / "__pycache__" / "verbs.cpython-311.pyc").write_bytes(b"stale")
     sglang_copy = tmp_path / "sglang.py"
-    shutil.copyfile(Path(resources.__file__).parent / "sglang.py", sglang_copy)
-    again = resources.build_archive(resources.agent_files(copy, sglang_copy))
-    assert again == resources.agent_archive()
+    shutil.copyfile(Path(sglang.__file__), sglang_copy)
+    again = archive.build_archive(archive.agent_files(copy, sglang_copy))
+    assert again == archive.agent_archive()
     names_inside = zipfile_names(again)
     assert not [n for n in names_inside if "__pycache__" in n or n.endswith(".pyc")]
-    assert "dynctl_agent/verbs.py" in names_inside and "dynctl/sglang.py" in names_inside
+    assert "dynctl_agent/verbs.py" in names_inside and "dynctl/base/sglang.py" in names_inside
 
 
 def zipfile_names(data: bytes) -> list[str]:
@@ -102,9 +103,9 @@ def test_concurrent_uploads_leave_one_whole_agent(tmp_path):
         t.join(120)
     assert results == [True] * 4
     folder = tmp_path / "work" / "agent"
-    assert sorted(p.name for p in folder.iterdir()) == [resources.agent_digest()]
-    for name, data in resources.agent_files().items():
-        assert (folder / resources.agent_digest() / name).read_bytes() == data
+    assert sorted(p.name for p in folder.iterdir()) == [archive.agent_digest()]
+    for name, data in archive.agent_files().items():
+        assert (folder / archive.agent_digest() / name).read_bytes() == data
 
 
 def test_a_dropped_or_damaged_upload_leaves_no_agent(tmp_path):
@@ -113,22 +114,22 @@ def test_a_dropped_or_damaged_upload_leaves_no_agent(tmp_path):
     work = tmp_path / "work"
     agent = make_agent(tmp_path)
     argv = agent_module().upload_argv(sys.executable, str(work))
-    cut = subprocess.run(argv, input=resources.agent_archive()[:5000], capture_output=True, timeout=60)
+    cut = subprocess.run(argv, input=archive.agent_archive()[:5000], capture_output=True, timeout=60)
     assert cut.returncode == 3 and b"arrived damaged" in cut.stderr
     assert not installed(work).exists()
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    leftover = work / "agent" / f".tmp-{resources.agent_digest()}-{dead.pid}"
+    leftover = work / "agent" / f".tmp-{archive.agent_digest()}-{dead.pid}"
     (leftover / "dynctl_agent").mkdir(parents=True)
     (leftover / "dynctl_agent" / "verbs.py").write_text("half")
     assert agent.call("ping")["pong"] is True
-    assert sorted(p.name for p in (work / "agent").iterdir()) == [resources.agent_digest()]
+    assert sorted(p.name for p in (work / "agent").iterdir()) == [archive.agent_digest()]
 
 
 def agent_module():
-    import dynctl.agent
+    import dynctl.agent.client
 
-    return dynctl.agent
+    return dynctl.agent.client
 
 
 def test_old_agent_copies_are_pruned(tmp_path):
@@ -144,7 +145,7 @@ def test_old_agent_copies_are_pruned(tmp_path):
     (work / "journal.jsonl").write_text("")
     assert make_agent(tmp_path).call("ping")["pong"] is True
     kept = sorted(p.name for p in folder.iterdir())
-    assert kept == sorted([resources.agent_digest(), "00000000000000ff", old[-1]])
+    assert kept == sorted([archive.agent_digest(), "00000000000000ff", old[-1]])
     assert sorted(p.name for p in work.iterdir()) == ["agent", "journal.jsonl"]
 
 
@@ -159,8 +160,8 @@ def test_a_verb_imports_only_its_own_modules(tmp_path):
     proc = subprocess.run([sys.executable, "-c", probe, str(root), json.dumps(request)], capture_output=True,
                           text=True, timeout=60)
     assert json.loads(proc.stdout)["result"]["pong"] is True
-    assert json.loads(proc.stderr) == ["dynctl", "dynctl.hostspec", "dynctl_agent", "dynctl_agent.protocol",
-                                       "dynctl_agent.verbs"]  # hostspec: the request's host settings checked
+    assert json.loads(proc.stderr) == ["dynctl", "dynctl.base", "dynctl.base.hostspec", "dynctl_agent",
+                                       "dynctl_agent.protocol", "dynctl_agent.verbs"]  # hostspec: the request's host settings checked
     for name, entry in {**verbs.VERBS, **verbs.OPS}.items():  # and every one names a function that is there
         assert callable(verbs.load(entry)), name
 
@@ -186,7 +187,7 @@ def test_unknown_verb_and_protocol_mismatch(tmp_path):
         agent.call("nope")
     assert info.value.exit_code == 2
     proc = subprocess.run([sys.executable, "-m", "dynctl_agent"], input=json.dumps({"protocol": 999, "verb": "ping"}),
-                          capture_output=True, text=True, cwd=resources.remote_dir())
+                          capture_output=True, text=True, cwd=archive.remote_dir())
     answer = json.loads(proc.stdout)
     assert proc.returncode == 2
     assert answer["ok"] is False and "protocol 1" in answer["error"] and "999" in answer["error"]

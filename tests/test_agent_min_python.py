@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from dynctl import resources
-from dynctl.agent import AgentClient
-from dynctl.config import HostConfig
+from dynctl.agent import archive
+from dynctl.agent.client import AgentClient
+from dynctl.base.config import HostConfig
 from dynctl.transport.local import Local
 
 MIN_PYTHON = (3, 9)
@@ -42,11 +42,11 @@ def test_the_agent_installs_and_answers_on_python_3_9(oldest_python, tmp_path):
     assert info["python_version"].startswith("3.9.") and info["sglang"] is None
     assert agent.call("server_find")["state"] == "down"
     assert agent.call("releases")["releases"] == []
-    root = tmp_path / "work" / "agent" / resources.agent_digest()
+    root = tmp_path / "work" / "agent" / archive.agent_digest()
     tag = subprocess.run([oldest_python, "-c", "import sys; print(sys.implementation.cache_tag)"],
                          capture_output=True, text=True, check=True).stdout.strip()
-    compiled = {p.name.split(".")[0] for p in root.glob(f"*/__pycache__/*.{tag}.pyc")}
-    assert compiled == {Path(name).stem for name in resources.agent_files()}
+    compiled = {p.name.split(".")[0] for p in root.glob(f"**/__pycache__/*.{tag}.pyc")}
+    assert compiled == {Path(name).stem for name in archive.agent_files()}
 
 
 def test_every_agent_module_imports_on_python_3_9(oldest_python):
@@ -54,11 +54,11 @@ def test_every_agent_module_imports_on_python_3_9(oldest_python):
     from dynctl_agent import verbs
 
     modules = sorted({entry[0] for entry in {**verbs.VERBS, **verbs.OPS}.values()}
-                     | {Path(n).stem for n in resources.agent_files() if n.startswith("dynctl_agent/")} - {"__main__"})
+                     | {Path(n).stem for n in archive.agent_files() if n.startswith("dynctl_agent/")} - {"__main__"})
     code = ("import importlib, json, sys\nsys.path[:0] = [sys.argv[1], sys.argv[2]]\n"
             "print(json.dumps([importlib.import_module('dynctl_agent.' + m).__name__ for m in sys.argv[3:]]))\n")
     client = str(Path(importlib.import_module("dynctl").__file__).parent.parent)
-    proc = subprocess.run([oldest_python, "-c", code, str(resources.remote_dir()), client, *modules],
+    proc = subprocess.run([oldest_python, "-c", code, str(archive.remote_dir()), client, *modules],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == ["dynctl_agent." + m for m in modules]

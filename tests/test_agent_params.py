@@ -10,14 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from dynctl import hostspec, resources
+from dynctl.agent import archive
+from dynctl.base import hostspec
 from dynctl_agent import verbs
 
 
 def ask(tmp_path, verb, params):
     request = {"protocol": 1, "verb": verb, "params": params, "host": {"workdir": str(tmp_path / "work")}}
     # the agent as its archive lays it out: its package beside this checkout's dynctl (hostspec, sglang)
-    path = os.pathsep.join([str(resources.remote_dir()), str(Path(hostspec.__file__).parent.parent)])
+    path = os.pathsep.join([str(archive.remote_dir()), str(Path(hostspec.__file__).parent.parent)])
     proc = subprocess.run([sys.executable, "-m", "dynctl_agent"], input=json.dumps(request), capture_output=True,
                           text=True, env={**os.environ, "PYTHONPATH": path}, timeout=60)
     return proc.returncode, json.loads(proc.stdout.splitlines()[-1])

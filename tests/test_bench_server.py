@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 from polling import finishes
 
-from dynctl.agent import AgentClient, AgentError
+from dynctl.agent.client import AgentClient, AgentError
 from dynctl.bench.stats import decode_samples
-from dynctl.config import HostConfig
+from dynctl.base.config import HostConfig
 from dynctl.transport.local import Local
 
 pytestmark = pytest.mark.slow

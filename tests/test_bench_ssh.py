@@ -13,8 +13,8 @@ from test_bench_cli import make_app
 from test_bench_server import TokenServer
 from typer.testing import CliRunner
 
-from dynctl.agent import AgentClient
-from dynctl.config import HostConfig
+from dynctl.agent.client import AgentClient
+from dynctl.base.config import HostConfig
 
 pytestmark = pytest.mark.slow
 

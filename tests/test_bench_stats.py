@@ -15,7 +15,7 @@ from dynctl.bench.report import comparison_rows, level_cells, level_headers, wri
 from dynctl.bench.runner import BenchResult, ModeRun
 from dynctl.bench.stats import (counter_delta, decode_samples, describe, percentile, read_sample, summarize_level,
                                  summarize_server)
-from dynctl.errors import UsageError
+from dynctl.base.errors import UsageError
 
 
 def test_percentile_is_numpys_linear_interpolation():

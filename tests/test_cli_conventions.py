@@ -13,7 +13,7 @@ from rich.console import Console
 
 from dynctl.cli import app, main
 from dynctl.cli.tables import print_table
-from dynctl.logview import log_record
+from dynctl.base.parsers.logrecord import log_record
 
 
 def run(capsys, monkeypatch, *argv: str) -> tuple[int, str, str]:

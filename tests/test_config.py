@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from dynctl.config import LOCAL_HOST, find_config_path, load_config, parse_ssh_target
-from dynctl.errors import ConfigError
+from dynctl.base.config import LOCAL_HOST, find_config_path, load_config, parse_ssh_target
+from dynctl.base.errors import ConfigError
 
 SPEC_EXAMPLE = """
 default_host = "glm5"

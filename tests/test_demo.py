@@ -3,38 +3,25 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from sglang_trees import sglang_wheel
+from demo_box import demo_env, dynctl_in
 from sshd_harness import free_port
 
-from dynctl.config import load_config
-from dynctl.demo import register_demo_host
-
-
-def run(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dynctl", *args], capture_output=True, text=True, env=env,
-                          stdin=subprocess.DEVNULL, timeout=600)
+from dynctl.base.config import load_config
+from dynctl.actions.demo import register_demo_host
 
 
 @pytest.mark.slow
 def test_demo_no_tui_tells_the_whole_story(tmp_path, isolated_home):
-    data = tmp_path / "data"
-    cache = data / "dynctl" / "demo" / "cache"
-    cache.mkdir(parents=True)
-    wheel = sglang_wheel("0.5.9")
-    shutil.copy(wheel, cache / wheel.name)  # the demo downloads it otherwise; the test cache has it
-    env = dict(os.environ, HOME=str(isolated_home), XDG_DATA_HOME=str(data))
-    env.pop("DYNCTL_CONFIG", None)
+    env, data = demo_env(tmp_path, isolated_home)
     port = free_port()
     try:
         # the demo's own time scale: 1, the speed of the H200 the simulator's table was measured on
-        out = run("demo", "--no-tui", "--port", str(port), "--level-seconds", "1.5", env=env)
+        out = dynctl_in(env, "demo", "--no-tui", "--port", str(port), "--level-seconds", "1.5")
         assert out.returncode == 0, out.stdout + out.stderr
         assert "SIMULATED" in out.stdout
         assert "threshold 5 in force" in out.stdout
@@ -45,13 +32,13 @@ def test_demo_no_tui_tells_the_whole_story(tmp_path, isolated_home):
 
         config = isolated_home / ".config" / "dynctl" / "config.toml"
         assert load_config(config).hosts["demo"].simulated is True
-        status = run("status", "--host", "demo", "--json", env=env)
+        status = dynctl_in(env, "status", "--host", "demo", "--json")
         assert status.returncode == 0, status.stderr
         report = json.loads(status.stdout)
         assert report["server"]["threshold"] == 5
         assert report["patch"]["status"] == "applied"
     finally:
-        run("stop", "--host", "demo", "--yes", "--grace", "5", env=env)
+        dynctl_in(env, "stop", "--host", "demo", "--yes", "--grace", "5")
 
 
 def test_register_keeps_the_operators_config(tmp_path):
@@ -90,14 +77,14 @@ def test_register_replaces_an_old_demo_section_in_any_spelling_and_keeps_what_fo
 def test_register_refuses_a_broken_config(tmp_path):
     path = tmp_path / "config.toml"
     path.write_text("[hosts.a\n")
-    proc = subprocess.run([sys.executable, "-c", "from dynctl.demo import register_demo_host as r; "
+    proc = subprocess.run([sys.executable, "-c", "from dynctl.actions.demo import register_demo_host as r; "
                            f"r({{'port': 1}}, {str(path)!r})"], capture_output=True, text=True)
     assert proc.returncode != 0 and "TOML syntax error" in proc.stderr
     assert path.read_text() == "[hosts.a\n"
 
 
 def test_demo_root_follows_xdg(tmp_path, monkeypatch):
-    from dynctl.demo import demo_root
+    from dynctl.actions.demo import demo_root
 
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
     assert demo_root() == Path(tmp_path) / "dynctl" / "demo"

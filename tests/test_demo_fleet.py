@@ -4,36 +4,22 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
-import subprocess
-import sys
 
 import pytest
 from polling import alive, wait_for
-from sglang_trees import sglang_wheel
+from demo_box import demo_env, dynctl_in
 
-from dynctl.config import load_config
+from dynctl.base.config import load_config
 
 pytestmark = pytest.mark.slow
 
 
-def run(*args: str, env: dict[str, str], timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dynctl", *args], capture_output=True, text=True, env=env,
-                          stdin=subprocess.DEVNULL, timeout=timeout)
-
-
 def test_demo_fleet_rolls_the_threshold_through_a_real_gateway(tmp_path, isolated_home):
-    data = tmp_path / "data"
-    cache = data / "dynctl" / "demo" / "cache"
-    cache.mkdir(parents=True)
-    wheel = sglang_wheel("0.5.9")
-    shutil.copy(wheel, cache / wheel.name)  # the demo downloads it otherwise; the test cache has it
-    env = dict(os.environ, HOME=str(isolated_home), XDG_DATA_HOME=str(data))
-    env.pop("DYNCTL_CONFIG", None)
+    env, data = demo_env(tmp_path, isolated_home)
     pidfile = data / "dynctl" / "demo-fleet" / "smg.pid"
     try:
-        out = run("demo", "--fleet", "3", "--no-tui", "--time-scale", "20", env=env)
+        out = dynctl_in(env, "demo", "--fleet", "3", "--no-tui", "--time-scale", "20")
         assert out.returncode == 0, out.stdout + out.stderr
         assert "SIMULATED" in out.stdout and "smg gateway on http://127.0.0.1:" in out.stdout
         for name in ("demo-1", "demo-2", "demo-3"):  # read back after the rollout, and in the gateway again
@@ -42,15 +28,15 @@ def test_demo_fleet_rolls_the_threshold_through_a_real_gateway(tmp_path, isolate
         config = isolated_home / ".config" / "dynctl" / "config.toml"
         cfg = load_config(config)
         assert list(cfg.groups) == ["demo-fleet"] and cfg.groups["demo-fleet"].gateway is not None
-        status = run("status", "--host", "demo-fleet", "--json", env=env)
+        status = dynctl_in(env, "status", "--host", "demo-fleet", "--json")
         assert status.returncode == 0, status.stderr
         assert [r["threshold"] for r in json.loads(status.stdout)["hosts"]] == [5, 5, 5]
         # a second run reuses the fleet and its gateway: nothing to deploy
-        again = run("demo", "--fleet", "3", "--no-tui", "--time-scale", "20", env=env)
+        again = dynctl_in(env, "demo", "--fleet", "3", "--no-tui", "--time-scale", "20")
         assert again.returncode == 0 and again.stdout.count("unchanged") == 3, again.stdout + again.stderr
     finally:
         for name in ("demo-1", "demo-2", "demo-3"):
-            run("stop", "--host", name, "--yes", "--grace", "5", env=env)
+            dynctl_in(env, "stop", "--host", name, "--yes", "--grace", "5")
         if pidfile.exists():
             pid = int(pidfile.read_text())
             if alive(pid):

@@ -13,9 +13,9 @@ import httpx
 import pytest
 from demo_box import dynctl, server_info, server_pid, session, start_baseline, tree_sha256, with_text
 
-from dynctl import deploy as core
-from dynctl import events
-from dynctl.errors import PreflightError
+from dynctl.core import deploy as core
+from dynctl.base import events
+from dynctl.base.errors import PreflightError
 
 pytestmark = pytest.mark.slow
 

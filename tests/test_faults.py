@@ -50,12 +50,13 @@ from polling import alive, wait_for
 from sshd_harness import FakeHost, free_port, generate_key
 from typer.testing import CliRunner
 
-from dynctl import deploy as core
-from dynctl import events, lifecycle
+from dynctl.core import deploy as core
+from dynctl.base import events
+from dynctl.core import lifecycle
 from dynctl.cli import app
 from dynctl.cli.common import HostSession
-from dynctl.config import SSHTarget
-from dynctl.errors import ConfigError, HostKeyError, OperationFailed, UnreachableError
+from dynctl.base.config import SSHTarget
+from dynctl.base.errors import ConfigError, HostKeyError, OperationFailed, UnreachableError
 from dynctl.transport import close_all
 from dynctl.transport.pct import Pct
 from dynctl.transport.ssh import SSH

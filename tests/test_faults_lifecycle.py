@@ -26,11 +26,12 @@ import httpx
 import psutil
 import pytest
 
-from dynctl import deploy as core
-from dynctl import events, lifecycle
-from dynctl.agent import AgentError
-from dynctl.errors import OperationFailed, PreflightError
-from dynctl.server_status import sample_server
+from dynctl.core import deploy as core
+from dynctl.base import events
+from dynctl.core import lifecycle
+from dynctl.agent.client import AgentError
+from dynctl.base.errors import OperationFailed, PreflightError
+from dynctl.live.server_status import sample_server
 from lifecycle_harness import Box, alive, box, listening, make_box, wait_for  # noqa: F401 - box is a fixture
 from sshd_harness import free_port
 from demo_box import dynctl, server_info, server_pid, session, start_baseline, tree_sha256
@@ -423,8 +424,8 @@ def test_stop_then_start_keeps_the_deployed_threshold(demo_box):
     assert restarted.returncode == 0 and f"release {rel}" in restarted.stdout
     assert threshold_now(config) == 5
 
-    from dynctl.config import load_config
-    from dynctl.host_actions import CoreActions
+    from dynctl.base.config import load_config
+    from dynctl.actions.host import CoreActions
 
     cfg = load_config(str(config))
     keys = CoreActions(cfg, cfg.host("box"), grace=10, ready_timeout=60)  # the TUI's s / S keys

@@ -20,12 +20,13 @@ from pathlib import Path
 
 import pytest
 
-from dynctl import deploy as core
-from dynctl import operations, resources
-from dynctl.agent import AgentClient, AgentError
+from dynctl.core import deploy as core
+from dynctl.agent import archive
+from dynctl.core import operations
+from dynctl.agent.client import AgentClient, AgentError
 from dynctl.cli.common import HostSession
-from dynctl.config import HostConfig
-from dynctl.errors import ConfigError, DynctlError, PreflightError
+from dynctl.base.config import HostConfig
+from dynctl.base.errors import ConfigError, DynctlError, PreflightError
 from dynctl.patching.host import apply_plan, plan_for_apply, read_patch_state
 from dynctl.transport.local import Local
 from polling import wait_for
@@ -419,7 +420,7 @@ def test_the_agent_refuses_a_relative_workdir_itself(tmp_path, monkeypatch):
     """Whatever a client sends: the host side does not guess which directory a relative workdir meant."""
     monkeypatch.chdir(tmp_path)
     request = {"protocol": 1, "verb": "releases", "params": {}, "host": {"workdir": "rel"}, "client": {}}
-    proc = subprocess.run([sys.executable, "-m", "dynctl_agent"], env={**os.environ, "PYTHONPATH": str(resources.remote_dir())},
+    proc = subprocess.run([sys.executable, "-m", "dynctl_agent"], env={**os.environ, "PYTHONPATH": str(archive.remote_dir())},
                           input=json.dumps(request), capture_output=True, text=True, timeout=60)
     answer = json.loads(proc.stdout.splitlines()[-1])
     assert proc.returncode == 2 and answer["kind"] == "usage" and "'rel' is relative" in answer["error"]

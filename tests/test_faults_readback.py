@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from demo_box import dynctl, server_info, session, start_baseline, tree_sha256
-from dynctl import deploy as core
+from dynctl.core import deploy as core
 from polling import wait_for
 
 pytestmark = pytest.mark.slow
@@ -205,8 +205,8 @@ def reinstalled_box(tmp_path):
     """A real sglang 0.5.9 install, patched by dynctl, then `pip install --force-reinstall`ed over."""
     from sglang_trees import sglang_wheel
 
-    from dynctl.agent import AgentClient
-    from dynctl.config import HostConfig
+    from dynctl.agent.client import AgentClient
+    from dynctl.base.config import HostConfig
     from dynctl.transport.local import Local
 
     wheel = sglang_wheel("0.5.9")
@@ -263,7 +263,7 @@ def test_an_earlier_dynctls_module_is_replaced_and_restored_byte_for_byte(reinst
 
 
 def test_a_module_at_that_path_that_is_not_dynctls_is_refused_naming_it(reinstalled_box):
-    from dynctl.errors import PreflightError
+    from dynctl.base.errors import PreflightError
     from dynctl.patching.host import plan_for_apply, read_patch_state
 
     agent, site, _ = reinstalled_box

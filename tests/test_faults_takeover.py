@@ -28,10 +28,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from dynctl import deploy as core
-from dynctl import lifecycle
-from dynctl.agent import AgentError
-from dynctl.errors import OperationFailed, PreflightError
+from dynctl.core import deploy as core
+from dynctl.core import lifecycle
+from dynctl.agent.client import AgentError
+from dynctl.base.errors import OperationFailed, PreflightError
 from lifecycle_harness import SHIM, Box, alive, box, listening, wait_for  # noqa: F401 - box is a fixture
 from sshd_harness import free_port
 from demo_box import dynctl, server_pid, session, tree_sha256

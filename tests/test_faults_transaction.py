@@ -27,12 +27,12 @@ from sshd_harness import free_port
 from test_patch_agent import _mounted
 from typer.testing import CliRunner
 
-from dynctl import deploy as core
-from dynctl import lifecycle
-from dynctl.agent import AgentClient, AgentError
+from dynctl.core import deploy as core
+from dynctl.core import lifecycle
+from dynctl.agent.client import AgentClient, AgentError
 from dynctl.cli import app
-from dynctl.config import HostConfig
-from dynctl.errors import OperationFailed
+from dynctl.base.config import HostConfig
+from dynctl.base.errors import OperationFailed
 from dynctl.transport.local import Local
 from dynctl_agent import operations, oprecords, store
 from dynctl_agent.protocol import LIMITS, Context
@@ -462,7 +462,7 @@ def test_config_values_no_host_can_run_exit_2_naming_file_host_and_key(tmp_path:
 
 
 def test_args_that_only_look_like_dynctls_flags_are_kept(tmp_path: Path):
-    from dynctl.config import load_config
+    from dynctl.base.config import load_config
 
     path = tmp_path / "dynctl.toml"
     path.write_text('[hosts.box]\nargs = ["--portal", "--speculative-num-steps", "3", "--model-path", "--port"]\n'

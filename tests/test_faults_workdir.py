@@ -22,10 +22,10 @@ import psutil
 import pytest
 
 from demo_box import CTID, dynctl, write_config
-from dynctl import resources
-from dynctl.agent import AgentClient, AgentError
-from dynctl.config import HostConfig
-from dynctl.errors import ConfigError, DynctlError, PreflightError
+from dynctl.agent import archive
+from dynctl.agent.client import AgentClient, AgentError
+from dynctl.base.config import HostConfig
+from dynctl.base.errors import ConfigError, DynctlError, PreflightError
 from dynctl.transport.local import Local
 from dynctl.transport.pct import Pct
 from dynctl_agent import oprecords, procfs
@@ -57,7 +57,7 @@ def snapshot(root: Path) -> dict[str, tuple]:
 
 
 def copy_of(workdir: Path) -> Path:
-    return workdir / "agent" / resources.agent_digest()
+    return workdir / "agent" / archive.agent_digest()
 
 
 def agent_for(workdir: str | Path, transport=None, python: str = sys.executable) -> AgentClient:
@@ -94,7 +94,7 @@ def plant_canary(workdir: Path, canary: Path) -> None:
 
 def installed_as_shipped(workdir: Path) -> None:
     root = copy_of(workdir)
-    for name, data in resources.agent_files().items():
+    for name, data in archive.agent_files().items():
         assert (root / name).read_bytes() == data, name
         stem = Path(name)
         assert (root / stem.parent / "__pycache__" / f"{stem.stem}.{TAG}.pyc").is_file(), name
@@ -457,7 +457,7 @@ def test_a_damaged_agent_copy_is_reinstalled_and_edits_never_run(tmp_path, case)
     assert agent.round_trips == 3  # found damaged → installed again → answered
     assert not canary.exists()
     installed_as_shipped(work)
-    assert sorted(p.name for p in (work / "agent").iterdir()) == [resources.agent_digest()]
+    assert sorted(p.name for p in (work / "agent").iterdir()) == [archive.agent_digest()]
     agent.call("ping")
     assert agent.round_trips == 4
 

@@ -13,11 +13,11 @@ from typing import Any
 import psutil
 import pytest
 
-from dynctl.agent import AgentClient
-from dynctl.config import HostConfig
+from dynctl.agent.client import AgentClient
+from dynctl.base.config import HostConfig
 from dynctl.transport.local import Local
-from dynctl.feed import LiveFeed
-from dynctl.snapshot import HostHistory, HostSnapshot
+from dynctl.live.feed import LiveFeed
+from dynctl.live.snapshot import HostHistory, HostSnapshot
 from lifecycle_harness import wait_for as wait_until
 from watch_server import SglangLikeServer, record_as_server
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from dynctl.config import load_config
-from dynctl.errors import ConfigError, UsageError
-from dynctl.fleet import fleet_target
+from dynctl.base.config import load_config
+from dynctl.base.errors import ConfigError, UsageError
+from dynctl.core.fleet import fleet_target
 
 FLEET = """
 [hosts.a]

@@ -8,7 +8,7 @@ import getpass
 import pytest
 
 from demo_box import dynctl, server_pid, session
-from dynctl.snapshot import build_snapshot
+from dynctl.live.snapshot import build_snapshot
 
 pytestmark = pytest.mark.slow
 

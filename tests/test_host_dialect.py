@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 
-from dynctl import events, lifecycle
+from dynctl.base import events
+from dynctl.core import lifecycle
 from lifecycle_harness import Box, box  # noqa: F401 - box is a fixture
 
 RECORD_TYPES = {"started", "step_started", "step_done", "log", "info", "warning", "waiting", "final"}

@@ -10,16 +10,17 @@ from pathlib import Path
 
 import pytest
 
-from dynctl import hostspec, resources
-from dynctl.config import HostConfig, load_config
-from dynctl.errors import ConfigError
-from dynctl.lifecycle import ServerState, launch_in_force, server_argv
+from dynctl.agent import archive
+from dynctl.base import hostspec
+from dynctl.base.config import HostConfig, load_config
+from dynctl.base.errors import ConfigError
+from dynctl.core.lifecycle import ServerState, launch_in_force, server_argv
 
 
 def ask_agent(tmp_path, host):
     request = {"protocol": 1, "verb": "ping", "params": {}, "host": {"workdir": str(tmp_path / "w"), **host}}
     # the agent as its archive lays it out: its package beside this checkout's dynctl (hostspec, sglang)
-    path = os.pathsep.join([str(resources.remote_dir()), str(Path(hostspec.__file__).parent.parent)])
+    path = os.pathsep.join([str(archive.remote_dir()), str(Path(hostspec.__file__).parent.parent)])
     proc = subprocess.run([sys.executable, "-m", "dynctl_agent"], input=json.dumps(request), capture_output=True,
                           text=True, env={**os.environ, "PYTHONPATH": path}, timeout=60)
     return json.loads(proc.stdout.splitlines()[-1])
@@ -46,7 +47,7 @@ def test_the_defaults_are_written_once():
     host = HostConfig(name="h")
     assert (host.workdir, host.port, host.keep_history) == (
         hostspec.DEFAULT_WORKDIR, hostspec.DEFAULT_PORT, hostspec.DEFAULT_KEEP_HISTORY)
-    assert "dynctl/hostspec.py" in resources.agent_files()
+    assert "dynctl/base/hostspec.py" in archive.agent_files()
 
 
 def test_a_plain_start_runs_what_the_agent_would_run():

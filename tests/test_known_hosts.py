@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dynctl.errors import HostKeyError
+from dynctl.base.errors import HostKeyError
 from dynctl.transport.host_cert import CERT_SUFFIX
 from dynctl.transport.known_hosts import host_matches
 from sshd_harness import FakeHost

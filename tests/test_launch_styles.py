@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from dynctl import sglang
+from dynctl.base import sglang
 from dynctl_agent import launchconfig
 from dynctl_agent import servers as agent
 

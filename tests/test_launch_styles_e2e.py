@@ -51,8 +51,9 @@ def yaml_of(args: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def test_deploy_and_rollback_through_sglang_serve_with_a_config_yaml(demo_box, tmp_path):
-    config = demo_box(via="local")
+def serve_with_a_config_yaml(config: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """The demo host of `config` launched as `sglang serve --config server.yaml`, the demo's arguments in the
+    YAML: the bin folder of its environment, and the YAML."""
     entry = tomllib.loads(config.read_text())["hosts"]["box"]
     bindir = sglang_env(tmp_path / "env")
     yaml = tmp_path / "server.yaml"
@@ -61,6 +62,12 @@ def test_deploy_and_rollback_through_sglang_serve_with_a_config_yaml(demo_box, t
                  args=["--config", str(yaml)])
     entry["env"]["DYNCTL_SIM_TIME_SCALE"] = "20"
     write_config(config, {"box": entry}, default_host="box")
+    return bindir, yaml
+
+
+def test_deploy_and_rollback_through_sglang_serve_with_a_config_yaml(demo_box, tmp_path):
+    config = demo_box(via="local")
+    bindir, yaml = serve_with_a_config_yaml(config, tmp_path)
     port = session(config).host.port
 
     res = run_dynctl("deploy", "--threshold", "5", "--yes", config=config)
@@ -83,14 +90,7 @@ def test_deploy_and_rollback_through_sglang_serve_with_a_config_yaml(demo_box, t
 def test_native_deploy_reads_the_speculation_settings_from_the_config_yaml(demo_box, tmp_path):
     """sglang >= 0.5.14: the adaptive config needs the step count, which here only the YAML on the host holds."""
     config = demo_box("0.5.14", via="local", strategy="native")
-    entry = tomllib.loads(config.read_text())["hosts"]["box"]
-    bindir = sglang_env(tmp_path / "env")
-    yaml = tmp_path / "server.yaml"
-    yaml.write_text(yaml_of(demo_args()))
-    entry.update(python=str(bindir / "python3"), launch=[str(bindir / "sglang"), "serve"],
-                 args=["--config", str(yaml)])
-    entry["env"]["DYNCTL_SIM_TIME_SCALE"] = "20"
-    write_config(config, {"box": entry}, default_host="box")
+    bindir, yaml = serve_with_a_config_yaml(config, tmp_path)
 
     dry = run_dynctl("deploy", "--threshold", "4", "--dry-run", "--json", config=config)
     assert dry.returncode == 0, dry.stdout + dry.stderr

@@ -14,10 +14,13 @@ ROOT = Path(__file__).resolve().parents[1]
 UI_LIBRARIES = ("typer", "textual", "rich", "textual_plotext", "click")
 
 # The core and what it stands on: everything `dynctl deploy` runs, without the views.
-CORE = ("dynctl.deploy", "dynctl.lifecycle", "dynctl.operations", "dynctl.native", "dynctl.inventory",
-        "dynctl.server_status", "dynctl.snapshot", "dynctl.feed", "dynctl.patching", "dynctl.bench.runner",
-        "dynctl.bench.modes", "dynctl.bench.stats", "dynctl.agent", "dynctl.transport.ssh", "dynctl.transport.pct",
-        "dynctl.config", "dynctl.events", "dynctl.metrics", "dynctl.sglang", "dynctl.hostspec")
+CORE = ("dynctl.core.deploy", "dynctl.core.lifecycle", "dynctl.core.operations", "dynctl.core.native",
+        "dynctl.core.inventory", "dynctl.core.adoption",
+        "dynctl.live.server_status", "dynctl.live.snapshot", "dynctl.live.feed", "dynctl.patching",
+        "dynctl.bench.runner", "dynctl.bench.modes", "dynctl.bench.stats", "dynctl.agent.client",
+        "dynctl.transport.ssh", "dynctl.transport.pct", "dynctl.base.config", "dynctl.base.events",
+        "dynctl.base.parsers.prometheus", "dynctl.base.parsers.serverlog", "dynctl.base.parsers.nvidia_smi",
+        "dynctl.base.sglang", "dynctl.base.hostspec")
 
 
 def run(argv: list[str]) -> subprocess.CompletedProcess:

@@ -13,9 +13,10 @@ import sys
 import psutil
 import pytest
 
-from dynctl import events, lifecycle
-from dynctl.agent import AgentError
-from dynctl.errors import PreflightError
+from dynctl.base import events
+from dynctl.core import lifecycle
+from dynctl.agent.client import AgentError
+from dynctl.base.errors import PreflightError
 from lifecycle_harness import SLEEPER, Box, alive, box, listening, wait_for  # noqa: F401 - box is a fixture
 from sshd_harness import free_port
 

@@ -139,7 +139,7 @@ def test_foreign_listener_refuses_start_with_exit_3(app, ct_host, tmp_path):
 
 def test_log_follow_ends_on_the_host_once_the_client_is_gone(ct_host):
     """`logs -f` must not leave an agent running in the container after the client disconnects."""
-    from dynctl import lifecycle
+    from dynctl.core import lifecycle
     from dynctl.cli.common import open_host
     from dynctl.transport import close_all
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from dynctl import lifecycle
-from dynctl.metrics import APPS_QUERY, GPU_QUERY, parse_gpu_csv
+from dynctl.core import lifecycle
+from dynctl.base.parsers.nvidia_smi import APPS_QUERY, GPU_QUERY, parse_gpu_csv
 from dynctl_agent.nvidia import parse_compute_apps
 from lifecycle_harness import alive, make_box, wait_for
 

@@ -13,7 +13,8 @@ import typer
 from demo_box import session as open_session
 from typer.testing import CliRunner
 
-from dynctl import events, lifecycle
+from dynctl.base import events
+from dynctl.core import lifecycle
 from dynctl.cli import lifecycle as lifecycle_cli
 from dynctl.cli.common import HostSession
 from lifecycle_harness import alive, wait_for

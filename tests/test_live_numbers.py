@@ -14,8 +14,8 @@ import httpx
 import pytest
 
 from demo_box import dynctl, session
-from dynctl.metrics import read_server_metrics
-from dynctl.snapshot import RATE_WINDOW_S, STALE_AFTER_S, build_snapshot
+from dynctl.base.parsers.prometheus import read_server_metrics
+from dynctl.live.snapshot import RATE_WINDOW_S, STALE_AFTER_S, build_snapshot
 from polling import wait_for
 from watch_items import LABELS, decode_line, item
 

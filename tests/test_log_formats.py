@@ -8,7 +8,7 @@ import calendar
 
 import pytest
 
-from dynctl.metrics import parse_decode_line, split_log_prefix
+from dynctl.base.parsers.serverlog import parse_decode_line, split_log_prefix
 
 UTC = 0.0
 

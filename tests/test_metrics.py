@@ -1,4 +1,4 @@
-"""Parsers of dynctl.metrics against text in the exact formats sglang, prometheus_client and nvidia-smi emit."""
+"""The parsers of dynctl.base.parsers against text in the exact formats sglang, prometheus_client and nvidia-smi emit."""
 
 from __future__ import annotations
 
@@ -9,17 +9,10 @@ import textwrap
 
 import pytest
 
-from dynctl.metrics import (
-    MetricsFormatError,
-    parse_decode_line,
-    parse_gpu_csv,
-    parse_log_time,
-    parse_nvidia_smi_csv,
-    parse_prometheus,
-    parse_transition_line,
-    pick_samples,
-    read_server_metrics,
-)
+from dynctl.base.parsers import MetricsFormatError
+from dynctl.base.parsers.nvidia_smi import parse_gpu_csv, parse_nvidia_smi_csv
+from dynctl.base.parsers.prometheus import parse_prometheus, pick_samples, read_server_metrics
+from dynctl.base.parsers.serverlog import parse_decode_line, parse_log_time, parse_transition_line
 
 # sglang 0.5.9 registers its scheduler gauges in prometheus_client's multiprocess mode ("mostrecent")
 # with these labels (metrics/collector.py, managers/scheduler_metrics_mixin.py:114-124) and serves

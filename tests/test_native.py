@@ -2,7 +2,7 @@
 
 sglang's adaptive_spec_params.py (config loading, batch-size routing, step adaptation) and the
 launch-time check in arg_groups/speculative_hook.py are pure Python but sit in modules that import
-torch; `dynctl.native.exec_release_source` runs them from the wheel's source with only sglang's own
+torch; `dynctl.core.native.exec_release_source` runs them from the wheel's source with only sglang's own
 imports left out, so the release decides whether the config is valid and how each batch routes.
 """
 
@@ -18,8 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from sglang_trees import sglang_wheel
 
-from dynctl.errors import PreflightError, UsageError
-from dynctl.native import (
+from dynctl.base.errors import PreflightError, UsageError
+from dynctl.core.native import (
     exec_release_source,
     parse_launch_args,
     plan_native,

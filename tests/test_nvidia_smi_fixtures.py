@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from dynctl.metrics import MetricsFormatError, parse_gpu_csv, parse_nvidia_smi_csv
+from dynctl.base.parsers import MetricsFormatError
+from dynctl.base.parsers.nvidia_smi import parse_gpu_csv, parse_nvidia_smi_csv
 from dynctl_agent.nvidia import parse_compute_apps
 
 FIX = Path(__file__).parent / "fixtures" / "nvidia_smi"

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from demo_box import session
 
-from dynctl import deploy as core
-from dynctl import events
+from dynctl.core import deploy as core
+from dynctl.base import events
 
 pytestmark = pytest.mark.slow
 

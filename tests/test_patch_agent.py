@@ -23,10 +23,10 @@ from patch_checks import check_all
 from sglang_trees import install_sglang
 from typer.testing import CliRunner
 
-from dynctl.agent import AgentClient, AgentError
+from dynctl.agent.client import AgentClient, AgentError
 from dynctl.cli import app
-from dynctl.config import HostConfig
-from dynctl.errors import PreflightError
+from dynctl.base.config import HostConfig
+from dynctl.base.errors import PreflightError
 from dynctl.patching import TARGET_FILES, PatchRefused, variant_for
 from dynctl.patching.host import apply_plan, plan_for_apply, read_patch_state
 from dynctl.patching.recipe import target_files

@@ -13,9 +13,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dynctl import resources
+from dynctl.agent import archive
 
-MODULE_PATH = resources.patches_dir() / "spec_batch_threshold.py"
+MODULE_PATH = archive.patches_dir() / "spec_batch_threshold.py"
 
 
 def load_module(path: Path = MODULE_PATH) -> types.ModuleType:

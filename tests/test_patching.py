@@ -12,7 +12,7 @@ import pytest
 from patch_checks import LEAN_SCHEDULE_BATCH_VARIANTS, SPEC_FIELDS, check_all, takes_schedule_batch, unpatched_text
 from sglang_trees import sglang_wheel
 
-from dynctl.errors import PreflightError, UsageError
+from dynctl.base.errors import PreflightError, UsageError
 from dynctl.patching import (
     MAX_THRESHOLD,
     SUPPORTED,

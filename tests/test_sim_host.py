@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dynctl.config import parse_config
+from dynctl.base.config import parse_config
 from dynctl.sim.hostsetup import prepare_demo_host
 from sglang_trees import cache_dir, sglang_wheel
 from polling import alive, wait_for

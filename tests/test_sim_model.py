@@ -164,10 +164,10 @@ def test_decode_and_prefill_lines_are_sglangs_format():
 
 
 def test_disabled_steps_run_on_the_patchs_graphs_when_the_flag_was_given_at_startup():
-    from dynctl import resources
+    from dynctl.agent import archive
     from dynctl.sim.speculation import ThresholdSpeculation
 
-    spec = importlib.util.spec_from_file_location("policy_for_sim", resources.patches_dir() / "spec_batch_threshold.py")
+    spec = importlib.util.spec_from_file_location("policy_for_sim", archive.patches_dir() / "spec_batch_threshold.py")
     policy = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(policy)
     base = {"speculative_algorithm": "EAGLE3", "speculative_eagle_topk": 1, "cuda_graph_max_bs": 256}

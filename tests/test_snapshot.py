@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dynctl.snapshot import HostHistory, Switch, build_snapshot, disconnected, latest_switch
+from dynctl.live.snapshot import HostHistory, Switch, build_snapshot, disconnected, latest_switch
 from dynctl.tui.chart import nice_ceiling, render_chart
 from watch_items import item, transition_line
 

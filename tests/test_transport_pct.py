@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from dynctl.agent import AgentClient
-from dynctl.config import load_config
-from dynctl.errors import UnreachableError
+from dynctl.agent.client import AgentClient
+from dynctl.base.config import load_config
+from dynctl.base.errors import UnreachableError
 from dynctl.transport import Result, Transport, close_all, connect
 from dynctl.transport.local import Local
 from dynctl.transport.pct import RC_MARK, Pct

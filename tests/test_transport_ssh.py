@@ -20,8 +20,8 @@ from polling import finishes, wait_for
 from ssh_tunnel import forward_local, open_channel
 from sshd_harness import FakeHost, connection_owner, free_port
 
-from dynctl.config import SSHTarget, load_config
-from dynctl.errors import ConfigError, UnreachableError
+from dynctl.base.config import SSHTarget, load_config
+from dynctl.base.errors import ConfigError, UnreachableError
 from dynctl.transport import close_all, connect
 from dynctl.transport.ssh import SSH
 

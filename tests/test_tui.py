@@ -14,7 +14,7 @@ from textual.widgets import Input
 from tui_harness import T0, Harness, log_text
 from watch_items import decode_line, item, ramp, transition_line
 
-from dynctl.snapshot import HostSnapshot, disconnected
+from dynctl.live.snapshot import HostSnapshot, disconnected
 from dynctl.tui.app import HostUpdated
 from dynctl.tui.modals import ConfirmModal, ThresholdModal
 from dynctl.tui.widgets import ActionLog, Banner, ChartPanel, HeaderBar, HostsBar, LoadPanel, LogTail, SpeculationPanel
@@ -306,7 +306,7 @@ def test_updates_of_the_same_host_replace_each_other() -> None:
 
 
 def test_every_event_reads_as_one_line_by_its_type() -> None:
-    from dynctl import events
+    from dynctl.base import events
     from dynctl.bench import events as bench
     from dynctl.bench.plan import Mode
     from dynctl.tui.progress import describe

@@ -14,9 +14,9 @@ from polling import wait_for
 from textual.widgets import Input
 from tui_harness import PushFeed
 
-from dynctl.config import load_config
-from dynctl.host_actions import actions_for
-from dynctl.lifecycle import server_argv
+from dynctl.base.config import load_config
+from dynctl.actions.host import actions_for
+from dynctl.core.lifecycle import server_argv
 from dynctl.tui.app import DynctlApp, create_app
 from dynctl.tui.widgets import ActionLog
 

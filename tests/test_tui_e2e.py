@@ -15,9 +15,9 @@ import httpx
 import pytest
 from demo_box import dynctl
 
-from dynctl.config import load_config
-from dynctl.feed import LiveFeed
-from dynctl.host_actions import actions_for
+from dynctl.base.config import load_config
+from dynctl.live.feed import LiveFeed
+from dynctl.actions.host import actions_for
 from dynctl.tui.app import create_app
 from dynctl.tui.widgets import HeaderBar, LoadPanel, SpeculationPanel
 

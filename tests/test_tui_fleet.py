@@ -3,7 +3,9 @@ Enter to a host's dashboard and Escape back, a rolling deploy behind the thresho
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -11,8 +13,8 @@ from textual.widgets import DataTable, Static
 from tui_harness import T0, PushFeed, RecordingActions
 from watch_items import item
 
-from dynctl import events
-from dynctl.rollout import HostResult
+from dynctl.base import events
+from dynctl.core.rollout import HostResult
 from dynctl.tui.fleet import create_fleet_app, fleet_totals, host_row
 from dynctl.tui.modals import ThresholdModal
 from dynctl.tui.widgets import HeaderBar
@@ -62,11 +64,18 @@ async def settle(pilot, cond, what: str) -> None:
     raise AssertionError(f"timed out waiting for {what}")
 
 
+@contextlib.asynccontextmanager
+async def on_the_fleet_screen(w: World) -> AsyncIterator[Any]:
+    """The app under Pilot, once its fleet screen is on top."""
+    async with w.app.run_test(size=(160, 40)) as pilot:
+        await settle(pilot, lambda: w.app.screen is getattr(w.app, "fleet", None), "the fleet screen on top")
+        yield pilot
+
+
 @pytest.mark.asyncio
 async def test_a_row_per_host_with_its_gateway_and_totals_on_top():
     w = World()
-    async with w.app.run_test(size=(160, 40)) as pilot:
-        await settle(pilot, lambda: w.app.screen is getattr(w.app, "fleet", None), "the fleet screen on top")
+    async with on_the_fleet_screen(w) as pilot:
         w.push("h1", 7)
         w.push("h2", 3)
         await settle(pilot, lambda: cells(w.app, "h1")[4] == "7 / 5" and "load 2" in cells(w.app, "h1")[8],
@@ -82,8 +91,7 @@ async def test_a_row_per_host_with_its_gateway_and_totals_on_top():
 @pytest.mark.asyncio
 async def test_enter_opens_the_host_dashboard_and_escape_returns():
     w = World()
-    async with w.app.run_test(size=(160, 40)) as pilot:
-        await settle(pilot, lambda: w.app.screen is getattr(w.app, "fleet", None), "the fleet screen on top")
+    async with on_the_fleet_screen(w) as pilot:
         w.push("h2", 3)
         assert w.app.screen is w.app.fleet
         await pilot.press("down", "enter")
@@ -96,8 +104,7 @@ async def test_enter_opens_the_host_dashboard_and_escape_returns():
 @pytest.mark.asyncio
 async def test_rolling_deploy_asks_the_threshold_and_shows_each_host():
     w = World()
-    async with w.app.run_test(size=(160, 40)) as pilot:
-        await settle(pilot, lambda: w.app.screen is getattr(w.app, "fleet", None), "the fleet screen on top")
+    async with on_the_fleet_screen(w) as pilot:
         await pilot.press("d")
         await settle(pilot, lambda: isinstance(w.app.screen, ThresholdModal), "the threshold dialog")
         await pilot.press("5", "enter")
@@ -113,15 +120,14 @@ async def test_rolling_deploy_asks_the_threshold_and_shows_each_host():
 @pytest.mark.asyncio
 async def test_read_only_has_no_rollout_keys():
     w = World(read_only=True)
-    async with w.app.run_test(size=(160, 40)) as pilot:
-        await settle(pilot, lambda: w.app.screen is getattr(w.app, "fleet", None), "the fleet screen on top")
+    async with on_the_fleet_screen(w) as pilot:
         await pilot.press("d")
         await pilot.pause(0.1)
         assert w.app.screen is w.app.fleet and w.rollouts == []
 
 
 def test_rows_and_totals_are_pure_functions_of_the_snapshots():
-    from dynctl.snapshot import HostSnapshot
+    from dynctl.live.snapshot import HostSnapshot
 
     snap = HostSnapshot("a", T0, state="ready", threshold=5, running_reqs=2, speculation=True, gen_throughput=812.4,
                         release="20261201T1200-abc")
@@ -150,8 +156,7 @@ async def test_a_changed_cell_is_drawn_again_alone_and_shows_the_new_value(monke
 
     monkeypatch.setattr(DataTable, "_render_cell", counting)
     w = World()
-    async with w.app.run_test(size=(160, 40)) as pilot:
-        await settle(pilot, lambda: w.app.screen is getattr(w.app, "fleet", None), "the fleet screen on top")
+    async with on_the_fleet_screen(w) as pilot:
         for h in HOSTS:
             w.push(h, 7)
         await settle(pilot, lambda: all(cells(w.app, h)[4] == "7 / 5" for h in HOSTS), "every row")

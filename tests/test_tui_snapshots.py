@@ -16,7 +16,7 @@ from textual.pilot import Pilot
 from tui_harness import T0, Harness
 from watch_items import ramp
 
-from dynctl.snapshot import disconnected
+from dynctl.live.snapshot import disconnected
 
 
 @pytest.fixture(autouse=True)

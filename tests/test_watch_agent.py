@@ -15,9 +15,9 @@ from typing import Any
 import psutil
 import pytest
 
-from dynctl.agent import AgentClient, AgentError
-from dynctl.config import HostConfig
-from dynctl.snapshot import build_snapshot
+from dynctl.agent.client import AgentClient, AgentError
+from dynctl.base.config import HostConfig
+from dynctl.live.snapshot import build_snapshot
 from dynctl.transport.local import Local
 from watch_items import decode_line, log_stamp, transition_line
 from lifecycle_harness import wait_for

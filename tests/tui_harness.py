@@ -13,9 +13,9 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from dynctl import events
-from dynctl.feed import OnUpdate
-from dynctl.snapshot import HostHistory, HostSnapshot, build_snapshot
+from dynctl.base import events
+from dynctl.live.feed import OnUpdate
+from dynctl.live.snapshot import HostHistory, HostSnapshot, build_snapshot
 from dynctl.tui.app import DynctlApp, create_app
 from dynctl.tui.widgets import ActionLog, LogTail
 

@@ -166,7 +166,7 @@ for V in "${VERSIONS[@]}"; do
   echo "$KV" > "$DEST/sglang-$V.kernels"
   # the strategies dynctl can use for this release (its own rules: dynctl.patching.strategy_for)
   CAN=$("$BUILD/dynv/bin/python" -c 'import sys
-from dynctl.errors import DynctlError
+from dynctl.base.errors import DynctlError
 from dynctl.patching import strategy_for
 for strategy in ("native", "patch"):
     try:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from dynctl.errors import UsageError
+from dynctl.base.errors import UsageError
 
 PALETTE = ((31, 119, 180), (214, 39, 40), (44, 160, 44), (148, 103, 189), (255, 127, 14), (23, 190, 207))
 TERM_COLORS = ("blue", "red", "green", "magenta", "orange", "cyan")

@@ -1,6 +1,6 @@
-"""Bench's sub-family of `dynctl.events`: levels and modes. The CLI renders them with rich, the TUI in its panel.
+"""Bench's sub-family of `dynctl.base.events`: levels and modes. The CLI renders them with rich, the TUI in its panel.
 
-A bench run reports these and the shared `dynctl.events.Warning` and `Finished`; a mode switched by
+A bench run reports these and the shared `dynctl.base.events.Warning` and `Finished`; a mode switched by
 redeploy adds the deploy's own events to the same stream.
 """
 

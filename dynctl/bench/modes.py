@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from dynctl import sglang
-from dynctl.agent import AgentClient, AgentError
+from dynctl.base import sglang
+from dynctl.agent.client import AgentClient, AgentError
 from dynctl.bench.plan import Mode
-from dynctl.errors import OperationFailed, PreflightError, UsageError
+from dynctl.base.errors import OperationFailed, PreflightError, UsageError
 
 
 class Redeployer(Protocol):
@@ -28,7 +28,8 @@ class DeployRedeployer:
 
     def restore(self) -> int | None:
         """Roll the host back to the release that was in force before the bench; the threshold read back."""
-        from dynctl import deploy, events
+        from dynctl.base import events
+        from dynctl.core import deploy
 
         if self.start_release is None:
             return None
@@ -37,7 +38,8 @@ class DeployRedeployer:
         return sglang.threshold_in_force(info)
 
     def redeploy(self, threshold: int) -> int:
-        from dynctl import deploy, events
+        from dynctl.base import events
+        from dynctl.core import deploy
 
         if self.confirm is not None:
             self.confirm()

@@ -6,7 +6,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from dynctl.errors import UsageError
+from dynctl.base.errors import UsageError
 
 DEFAULT_CONCURRENCY = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 GOODPUT_METRICS = ("ttft", "tpot", "e2el")  # the SLO names of `vllm bench serve --goodput`

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from dynctl import sglang
+from dynctl.base import sglang
 from dynctl.bench.plan import Mode
 
 MIN_GAIN_PCT = 1.0

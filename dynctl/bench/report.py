@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from dynctl.bench.runner import BenchResult
-from dynctl.errors import UsageError
+from dynctl.base.errors import UsageError
 
 SCHEMA = "dynctl.bench/1"
 

@@ -8,8 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from dynctl import events
-from dynctl.agent import AgentClient, AgentError
+from dynctl.base import events
+from dynctl.agent.client import AgentClient, AgentError
 from dynctl.bench.events import (
     BenchStarted,
     LevelDone,
@@ -22,7 +22,7 @@ from dynctl.bench.modes import ModeSwitcher, Redeployer
 from dynctl.bench.plan import BenchPlan, Mode
 from dynctl.bench.recommend import recommend
 from dynctl.bench.stats import read_sample, summarize_level
-from dynctl.errors import DynctlError, Interrupted, UnreachableError, UsageError
+from dynctl.base.errors import DynctlError, Interrupted, UnreachableError, UsageError
 
 LOADGEN_CPU_WARN = 80.0  # % of one core: above it the generator, not the server, may set the pace
 # --compare's no-spec mode on a speculative server: threshold 0, the patch's disabled path

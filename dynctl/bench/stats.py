@@ -17,7 +17,8 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from dynctl.metrics import MetricsFormatError, parse_prometheus, pick_samples
+from dynctl.base.parsers import MetricsFormatError
+from dynctl.base.parsers.prometheus import parse_prometheus, pick_samples
 
 PERCENTILES = (50, 90, 99)
 

@@ -6,11 +6,12 @@ import json
 
 import typer
 
-from dynctl import adoption, sglang
+from dynctl.base import sglang
+from dynctl.core import adoption
 from dynctl.cli.common import ConfigOpt, HostOpt, JsonOpt, YesOpt, confirm, console, handle_errors, open_host
 from dynctl.cli.progress import EventPrinter
-from dynctl.configedit import set_host_keys
-from dynctl.errors import ConfigError
+from dynctl.base.configedit import set_host_keys
+from dynctl.base.errors import ConfigError
 
 
 def register(app: typer.Typer) -> None:

@@ -12,7 +12,7 @@ from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedCo
 from rich.table import Table
 from rich.text import Text
 
-from dynctl import events
+from dynctl.base import events
 from dynctl.bench import (
     BenchInterrupted,
     BenchPlan,
@@ -44,7 +44,7 @@ from dynctl.cli.common import (
     open_host,
 )
 from dynctl.cli.progress import EventPrinter
-from dynctl.errors import DynctlError, UsageError
+from dynctl.base.errors import DynctlError, UsageError
 from dynctl.patching import parse_threshold
 
 EXIT_INTERRUPTED = 130

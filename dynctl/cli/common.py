@@ -15,9 +15,9 @@ from rich.console import Console
 from rich.markup import escape
 from typer.core import TyperCommand
 
-from dynctl.agent import AgentClient, close_connections, open_agent
-from dynctl.config import Config, HostConfig, load_config
-from dynctl.errors import DynctlError, Interrupted, UsageError
+from dynctl.agent.client import AgentClient, close_connections, open_agent
+from dynctl.base.config import Config, HostConfig, load_config
+from dynctl.base.errors import DynctlError, Interrupted, UsageError
 
 console = Console(highlight=False)
 err_console = Console(stderr=True, highlight=False)

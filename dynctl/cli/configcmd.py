@@ -7,11 +7,11 @@ from typing import Any
 
 import typer
 
-from dynctl import sglang
+from dynctl.base import sglang
 from dynctl.cli.common import ConfigOpt, HostOpt, JsonOpt, console, handle_errors
 from dynctl.cli.tables import print_table
-from dynctl.config import find_config_path, load_config, lookup_order
-from dynctl.lifecycle import server_argv
+from dynctl.base.config import find_config_path, load_config, lookup_order
+from dynctl.core.lifecycle import server_argv
 
 
 def register(app: typer.Typer) -> None:

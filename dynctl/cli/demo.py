@@ -7,10 +7,10 @@ import threading
 import typer
 from rich.markup import escape
 
-from dynctl import demo as core
+from dynctl.actions import demo as core
 from dynctl.cli.common import ConfigOpt, console, handle_errors
 from dynctl.cli.progress import EventPrinter
-from dynctl.errors import UsageError
+from dynctl.base.errors import UsageError
 from dynctl.patching import parse_threshold
 
 

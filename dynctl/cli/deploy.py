@@ -10,8 +10,8 @@ import typer
 from rich.markup import escape
 from rich.syntax import Syntax
 
-from dynctl import deploy as core
-from dynctl import sglang
+from dynctl.core import deploy as core
+from dynctl.base import sglang
 from dynctl.cli import fleet as fleet_cli
 from dynctl.cli.common import (
     AdoptOpt,

@@ -11,15 +11,15 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from dynctl import deploy as core
-from dynctl import fleet as fleet_core
-from dynctl import rollout as rollout_core
-from dynctl import sglang
-from dynctl.agent import open_agent
+from dynctl.core import deploy as core
+from dynctl.core import fleet as fleet_core
+from dynctl.core import rollout as rollout_core
+from dynctl.base import sglang
+from dynctl.agent.client import open_agent
 from dynctl.cli.common import console, err_console
-from dynctl.config import Config, load_config
-from dynctl.errors import DynctlError, Interrupted
-from dynctl.fleet import Fleet, HostRow
+from dynctl.base.config import Config, load_config
+from dynctl.base.errors import DynctlError, Interrupted
+from dynctl.core.fleet import Fleet, HostRow
 from dynctl.patching import parse_threshold
 
 HostsOpt = typer.Option(None, "--hosts", help="Several hosts at once: host or group names separated by commas.")
@@ -274,8 +274,8 @@ def gateway_reader(fleet: Fleet) -> Callable[[], dict[str, dict[str, Any]]]:
 
 def run_fleet_screen(cfg: Config, group: str, read_only: bool = False, interval: float = 1.0) -> None:
     """`dynctl tui --host GROUP`: the fleet screen over the one-host dashboards."""
-    from dynctl.feed import LiveFeed
-    from dynctl.host_actions import actions_for
+    from dynctl.live.feed import LiveFeed
+    from dynctl.actions.host import actions_for
     from dynctl.tui.fleet import create_fleet_app
 
     fleet = fleet_core.fleet_target(cfg, group, None)
@@ -301,9 +301,9 @@ def demo_fleet(count: int, config_path: str | None, threshold: int, time_scale: 
     import sys
     import threading
 
-    from dynctl import demo_fleet as core_fleet
+    from dynctl.actions import demo_fleet as core_fleet
     from dynctl.cli.progress import EventPrinter
-    from dynctl.errors import UsageError
+    from dynctl.base.errors import UsageError
 
     if not 1 <= count <= core_fleet.MAX_FLEET:
         raise UsageError(f"--fleet: expected 1-{core_fleet.MAX_FLEET} hosts, got {count}")

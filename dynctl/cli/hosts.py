@@ -9,14 +9,14 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from dynctl import sglang
+from dynctl.base import sglang
 from dynctl.cli import fleet as fleet_cli
 from dynctl.cli.common import ConfigOpt, HostOpt, JsonOpt, console, handle_errors, open_host
 from dynctl.cli.tables import print_rich_table, print_table
-from dynctl.config import load_config
-from dynctl.errors import DynctlError
-from dynctl.inventory import HostInfo, describe_host, probe_hosts
-from dynctl.server_status import server_section
+from dynctl.base.config import load_config
+from dynctl.base.errors import DynctlError
+from dynctl.core.inventory import HostInfo, describe_host, probe_hosts
+from dynctl.live.server_status import server_section
 
 
 

@@ -7,7 +7,8 @@ from typing import Any
 
 import typer
 
-from dynctl import lifecycle, sglang
+from dynctl.base import sglang
+from dynctl.core import lifecycle
 from dynctl.cli.common import (
     AdoptOpt,
     ConfigOpt,
@@ -23,7 +24,7 @@ from dynctl.cli.common import (
     seconds_option,
 )
 from dynctl.cli.progress import EventPrinter
-from dynctl.logview import log_record
+from dynctl.base.parsers.logrecord import log_record
 
 GraceOpt = seconds_option(60.0, "--grace", 0, lifecycle.MAX_GRACE_S,
                           "Seconds the server may drain after SIGTERM before SIGKILL.")

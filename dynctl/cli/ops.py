@@ -9,11 +9,12 @@ from typing import Any
 import typer
 from rich.markup import escape
 
-from dynctl import operations, sglang
+from dynctl.base import sglang
+from dynctl.core import operations
 from dynctl.cli.common import ConfigOpt, HostOpt, JsonOpt, VerboseOpt, console, handle_errors, open_host
 from dynctl.cli.progress import EventPrinter
 from dynctl.cli.tables import print_table
-from dynctl.errors import Interrupted
+from dynctl.base.errors import Interrupted
 
 app = typer.Typer(help="Operations on the host: follow one to its end, list recent ones.", no_args_is_help=True)
 

@@ -9,7 +9,7 @@ from typing import Any
 import typer
 from rich.markup import escape
 
-from dynctl import sglang
+from dynctl.base import sglang
 from dynctl.cli.common import ConfigOpt, HostOpt, JsonOpt, YesOpt, confirm, console, handle_errors, open_host
 from dynctl.patching import parse_threshold
 from dynctl.patching.host import PatchState, apply_plan, plan_for_apply, read_patch_state, revert

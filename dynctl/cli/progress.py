@@ -7,12 +7,12 @@ from typing import Any
 
 from rich.markup import escape
 
-from dynctl import events
+from dynctl.base import events
 from dynctl.cli.common import console, err_console
 
 
 class EventPrinter:
-    """Renders `dynctl.events` by type.
+    """Renders `dynctl.base.events` by type.
 
     quiet (--json): only warnings and failures, on stderr, so stdout stays one JSON document.
     """

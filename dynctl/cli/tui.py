@@ -8,8 +8,8 @@ from typing import Optional
 import typer
 
 from dynctl.cli.common import ConfigOpt, handle_errors
-from dynctl.config import Config, HostConfig, load_config
-from dynctl.errors import UsageError
+from dynctl.base.config import Config, HostConfig, load_config
+from dynctl.base.errors import UsageError
 
 
 def register(app: typer.Typer) -> None:
@@ -43,8 +43,8 @@ def register(app: typer.Typer) -> None:
 
 
 def run_dashboard(cfg: Config, hosts: list[HostConfig], read_only: bool = False, interval: float = 1.0) -> None:
-    from dynctl.feed import LiveFeed
-    from dynctl.host_actions import actions_for
+    from dynctl.live.feed import LiveFeed
+    from dynctl.actions.host import actions_for
     from dynctl.tui.app import create_app
 
     dashboard = create_app(

@@ -7,8 +7,8 @@ import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from dynctl import sglang
-from dynctl.errors import PreflightError
+from dynctl.base import sglang
+from dynctl.base.errors import PreflightError
 from dynctl.patching.recipe import (
     FEATURE_TOKENS,
     NEW_MODULE,

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from dynctl.agent import AgentClient
-from dynctl.errors import PreflightError
+from dynctl.agent.client import AgentClient
+from dynctl.base.errors import PreflightError
 from dynctl.patching.engine import PatchRefused, Plan, plan_patch
 from dynctl.patching.recipe import target_files
 from dynctl.patching.versions import SUPPORTED, strategy_for, strategy_note

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
 
-from dynctl import pysource, resources, sglang
+from dynctl.agent import archive
+from dynctl.base import pysource, sglang
 
 PACKAGE_PREFIX = "srt/"
 SERVER_ARGS = "srt/server_args.py"
@@ -58,12 +59,12 @@ def fragment_text(name: str) -> str:
     parts = table()["fragments"].get(name)
     if parts is not None:
         return "".join(fragment_text(part) for part in parts)
-    return (resources.patches_dir() / "fragments" / name).read_text(encoding="utf-8")
+    return (archive.patches_dir() / "fragments" / name).read_text(encoding="utf-8")
 
 
 @cache
 def new_module_text() -> str:
-    return (resources.patches_dir() / "spec_batch_threshold.py").read_text(encoding="utf-8")
+    return (archive.patches_dir() / "spec_batch_threshold.py").read_text(encoding="utf-8")
 
 
 def _eagle_class_is_last(text: str) -> str | None:
@@ -93,7 +94,7 @@ class Release:
 @cache
 def table() -> dict[str, Any]:
     """patches/variants.toml, parsed."""
-    with open(resources.patches_dir() / "variants.toml", "rb") as fh:
+    with open(archive.patches_dir() / "variants.toml", "rb") as fh:
         return tomllib.load(fh)
 
 

@@ -19,13 +19,13 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from dynctl import resources
+from dynctl.agent import archive
 from dynctl.patching.engine import plan_patch
 from dynctl.patching.recipe import NEW_MODULE, recipes, releases
 
 
 def rendered_dir() -> Path:
-    return resources.patches_dir() / "rendered"
+    return archive.patches_dir() / "rendered"
 
 
 def rendered_path(version: str) -> Path:
@@ -52,7 +52,7 @@ def render(version: str, wheel: Path) -> str:
 
 
 def wheel_cache() -> Path:
-    path = Path(os.environ.get("DYNCTL_TEST_CACHE") or resources.patches_dir().parent / ".cache" / "sglang")
+    path = Path(os.environ.get("DYNCTL_TEST_CACHE") or archive.patches_dir().parent / ".cache" / "sglang")
     path.mkdir(parents=True, exist_ok=True)
     return path
 

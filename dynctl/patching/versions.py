@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from dynctl import hostspec
-from dynctl.config import STRATEGIES
-from dynctl.errors import PreflightError, UsageError
+from dynctl.base import hostspec
+from dynctl.base.config import STRATEGIES
+from dynctl.base.errors import PreflightError, UsageError
 from dynctl.patching.recipe import Release, releases
-from dynctl.sglang import parse_version
+from dynctl.base.sglang import parse_version
 
 SUPPORTED = ("patch for sglang 0.5.6–0.5.12 and 0.5.14–0.5.23 (measured on a GPU: 0.5.6–0.5.12 and 0.5.14; "
              "the others only with strategy = \"patch\"), native adaptive config for sglang ≥ 0.5.14 "

@@ -19,7 +19,7 @@ import time
 import traceback
 from typing import Any
 
-from dynctl import sglang
+from dynctl.base import sglang
 from dynctl.sim import costmodel, processes, sgltree
 from dynctl.sim.batching import Batcher
 from dynctl.sim.endpoints import Api

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dynctl import sglang
+from dynctl.base import sglang
 
 PROG = "launch_server.py"
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-from dynctl import sglang
+from dynctl.base import sglang
 
 POLICY_MODULE = "sglang.srt.speculative.spec_batch_threshold"
 POLICY_FILE = "srt/speculative/spec_batch_threshold.py"

@@ -23,7 +23,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from dynctl import sglang
+from dynctl.base import sglang
 from dynctl.sim.costmodel import PLAIN, SKIP, SPECULATE
 
 THRESHOLD_ARG = sglang.THRESHOLD_KEY

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from dynctl.config import Config, HostConfig, user_state_dir
+from dynctl.base.config import Config, HostConfig, user_state_dir
 from dynctl.transport.base import Result, Stream, Transport, sh_join
 from dynctl.transport.local import Local
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import paramiko
 
-from dynctl.errors import ConfigError, HostKeyError
+from dynctl.base.errors import ConfigError, HostKeyError
 from dynctl.transport.host_cert import CERT_SUFFIX, HostCertificate, host_certificate
 
 log = logging.getLogger("dynctl.ssh")

@@ -7,7 +7,7 @@ import subprocess
 import threading
 from collections.abc import Iterator, Sequence
 
-from dynctl.errors import CommandTimeout, PreflightError
+from dynctl.base.errors import CommandTimeout, PreflightError
 from dynctl.transport.base import Result
 
 

@@ -14,7 +14,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from dynctl.errors import UnreachableError
+from dynctl.base.errors import UnreachableError
 from dynctl.transport.base import Result, Stream, Transport
 
 RC_MARK = b"\x1e__dynctl_rc="

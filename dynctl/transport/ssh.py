@@ -16,8 +16,8 @@ from collections.abc import Iterator, Sequence
 
 import paramiko
 
-from dynctl.config import SSHTarget
-from dynctl.errors import DynctlError, UnreachableError
+from dynctl.base.config import SSHTarget
+from dynctl.base.errors import DynctlError, UnreachableError
 from dynctl.transport.base import Result, sh_join
 from dynctl.transport.known_hosts import KnownHosts
 from dynctl.transport.ssh_login import Login, login_chain

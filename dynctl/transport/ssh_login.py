@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import paramiko
 
-from dynctl.errors import ConfigError, HostKeyError, UnreachableError
+from dynctl.base.errors import ConfigError, HostKeyError, UnreachableError
 from dynctl.transport.known_hosts import HostKeyPolicy, KnownHosts
 from dynctl.transport.ssh_route import Hop
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import paramiko
 
-from dynctl.config import SSHTarget, parse_ssh_target
-from dynctl.errors import ConfigError, UnreachableError
+from dynctl.base.config import SSHTarget, parse_ssh_target
+from dynctl.base.errors import ConfigError, UnreachableError
 
 _MAX_HOPS = 8
 

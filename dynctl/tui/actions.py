@@ -1,8 +1,8 @@
-"""What the TUI's keys do to a host: a protocol the core implements (`dynctl.host_actions`), so the screen
+"""What the TUI's keys do to a host: a protocol the core implements (`dynctl.actions.host`), so the screen
 never holds the logic.
 
 Every method runs in a thread worker and may block; progress goes to `on_event` as the same typed events
-the CLI prints (`dynctl.events`, and bench's `dynctl.bench.events`), ending in a `Finished` or `Unchanged`.
+the CLI prints (`dynctl.base.events`, and bench's `dynctl.bench.events`), ending in a `Finished` or `Unchanged`.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from dynctl.events import EventSink
+from dynctl.base.events import EventSink
 
 
 class HostActions(Protocol):

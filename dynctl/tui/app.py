@@ -20,10 +20,10 @@ from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import ContentSwitcher, Footer
 
-from dynctl import events
-from dynctl.events import EventSink
-from dynctl.feed import Feed, OnUpdate, describe_error
-from dynctl.snapshot import HostHistory, HostSnapshot
+from dynctl.base import events
+from dynctl.base.events import EventSink
+from dynctl.live.feed import Feed, OnUpdate, describe_error
+from dynctl.live.snapshot import HostHistory, HostSnapshot
 from dynctl.tui.actions import ActionsFactory, HostActions
 from dynctl.tui.fulllog import FullLogScreen
 from dynctl.tui.help import HelpScreen
@@ -382,7 +382,7 @@ class DynctlApp(App[int]):
 def create_app(hosts: Sequence[str], feed_factory: FeedFactory, actions: ActionsFactory,
                read_only: bool = False, window_s: float = 300.0, clock: Callable[[], float] = time.time) -> DynctlApp:
     """The dashboard for `hosts`; `feed_factory(on_update)` builds the feed, `actions(host)` what the keys call
-    (`dynctl.host_actions.actions_for` in the product)."""
+    (`dynctl.actions.host.actions_for` in the product)."""
     return DynctlApp(hosts, feed_factory, actions, read_only=read_only, window_s=window_s, clock=clock)
 
 

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 from rich.text import Text
 
-from dynctl.snapshot import Point, Switch
+from dynctl.live.snapshot import Point, Switch
 
 BLOCKS = " ▁▂▃▄▅▆▇█"
 ON_STYLE = "green"

@@ -13,9 +13,9 @@ from textual.css.query import NoMatches
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Static
 
-from dynctl import events
-from dynctl.feed import describe_error
-from dynctl.snapshot import HostSnapshot
+from dynctl.base import events
+from dynctl.live.feed import describe_error
+from dynctl.live.snapshot import HostSnapshot
 from dynctl.tui.app import DynctlApp, FeedFactory
 from dynctl.tui.actions import ActionsFactory
 from dynctl.tui.fleet_table import FleetTable

@@ -8,7 +8,7 @@ from textual.binding import Binding
 from textual.screen import Screen
 from textual.widgets import Footer, Label, RichLog
 
-from dynctl.snapshot import HostHistory
+from dynctl.live.snapshot import HostHistory
 
 
 class FullLogScreen(Screen[None]):

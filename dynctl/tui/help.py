@@ -8,7 +8,7 @@ from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Label, Static
 
-from dynctl.snapshot import HostSnapshot
+from dynctl.live.snapshot import HostSnapshot
 
 # what the footer's one word cannot say
 _MORE = {

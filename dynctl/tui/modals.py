@@ -10,7 +10,7 @@ from textual.screen import ModalScreen
 from textual.validation import ValidationResult, Validator
 from textual.widgets import Button, Input, Label, Static
 
-from dynctl import hostspec
+from dynctl.base import hostspec
 
 
 class ThresholdRule(Validator):

@@ -8,8 +8,9 @@ from collections.abc import Mapping, Sequence
 
 from rich.text import Text
 
-from dynctl.metrics import GpuStat, parse_decode_line, split_log_prefix
-from dynctl.snapshot import GpuHolder, HostSnapshot
+from dynctl.base.parsers.nvidia_smi import GpuStat
+from dynctl.base.parsers.serverlog import parse_decode_line, split_log_prefix
+from dynctl.live.snapshot import GpuHolder, HostSnapshot
 from dynctl.tui.chart import OFF_STYLE, ON_STYLE
 
 STATE_STYLE = {

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dynctl import events
+from dynctl.base import events
 from dynctl.bench import events as bench
 
 Line = tuple[str, str]  # (level, text); level is info, ok, warning, error or log

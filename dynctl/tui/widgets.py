@@ -9,7 +9,7 @@ from rich.text import Text
 from textual.widget import Widget
 from textual.widgets import RichLog
 
-from dynctl.snapshot import HostHistory, HostSnapshot
+from dynctl.live.snapshot import HostHistory, HostSnapshot
 from dynctl.tui import panels
 from dynctl.tui.chart import render_batch_history, render_chart
 

@@ -1,5 +1,5 @@
 # The host-side checks the boot and upload programs share, run before any code of the agent copy
-# (dynctl/resources.py strips comments and docstrings from these files for the wire).
+# (dynctl/agent/archive.py strips comments and docstrings from these files for the wire).
 #
 # OpenSSH's StrictModes for the workdir: the workdir, agent/, the copy and each of its files must be the
 # effective user's alone (owned by them, neither group- nor world-writable, no symlink), and every directory

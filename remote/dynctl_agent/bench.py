@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import resource
 
-from dynctl import sglang
+from dynctl.base import sglang
 from dynctl_agent import httpclient, procfs, servers
 from dynctl_agent.loadgen import Level
 from dynctl_agent.protocol import AgentError

@@ -18,7 +18,7 @@ import sys
 import time
 import traceback
 
-from dynctl import sglang
+from dynctl.base import sglang
 from dynctl_agent import launchconfig, lock, patch, procfs, releases, serverinfo, servers, shutdown, startup, store
 from dynctl_agent.protocol import AgentError, seconds
 

@@ -1,5 +1,5 @@
 """A program the agent runs with the server's interpreter (hostinfo.run_python), which need not be the agent's:
-loads dynctl/sglang.py by its path (`argv[1]`, compiled beside it at upload) and asks it where sglang is,
+loads dynctl/base/sglang.py by its path (`argv[1]`, compiled beside it at upload) and asks it where sglang is,
 without importing sglang; prints {"python", "python_version", "sglang"} as JSON."""
 
 import importlib.util

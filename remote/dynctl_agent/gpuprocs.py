@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import subprocess
 
-from dynctl import sglang
+from dynctl.base import sglang
 from dynctl_agent import hostinfo, procfs
 
 EVERY_S = 5.0

@@ -8,7 +8,7 @@ import shutil
 import socket
 import subprocess
 
-from dynctl import sglang
+from dynctl.base import sglang
 from dynctl_agent import procfs
 from dynctl_agent.protocol import AgentError
 

@@ -10,7 +10,7 @@ import http.client
 import json
 import socket
 
-from dynctl import sglang
+from dynctl.base import sglang
 
 
 class HTTPError(OSError):

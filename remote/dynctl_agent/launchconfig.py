@@ -2,12 +2,12 @@
 
 sglang (0.5.x, srt/server_args_config_parser.py) puts the YAML's `key: value` pairs in place of
 `--config FILE` as `--key value` flags ahead of the command line's own, so a flag on the command line wins
-(dynctl.sglang.merge_config_args does the same).
+(dynctl.base.sglang.merge_config_args does the same).
 """
 
 from __future__ import annotations
 
-from dynctl import sglang
+from dynctl.base import sglang
 
 
 def flag_value(argv, flag):

@@ -6,7 +6,7 @@ import os
 import signal
 import time
 
-from dynctl import hostspec
+from dynctl.base import hostspec
 from dynctl_agent import lock, releases, servers, shutdown, startup
 from dynctl_agent.protocol import AgentError, seconds
 

@@ -8,7 +8,7 @@ import json
 import random
 import time
 
-from dynctl import sglang
+from dynctl.base import sglang
 
 VOCAB = range(1000, 20000)  # token ids every real vocabulary has
 

@@ -6,7 +6,7 @@ import subprocess
 import threading
 import time
 
-from dynctl import sglang
+from dynctl.base import sglang
 from dynctl_agent import hostinfo
 
 

@@ -33,7 +33,7 @@ import re
 import shutil
 import time
 
-from dynctl import sglang
+from dynctl.base import sglang
 from dynctl_agent import procfs, store
 from dynctl_agent.protocol import AgentError
 

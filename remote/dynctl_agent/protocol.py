@@ -15,7 +15,7 @@ import socket
 import stat
 import sys
 
-from dynctl import hostspec
+from dynctl.base import hostspec
 
 PROTOCOL = 1
 

@@ -32,7 +32,7 @@ import os
 import re
 import shutil
 
-from dynctl import hostspec, sglang
+from dynctl.base import hostspec, sglang
 from dynctl_agent import store
 from dynctl_agent.protocol import AgentError
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from dynctl import hostspec, sglang
+from dynctl.base import hostspec, sglang
 from dynctl_agent import httpclient, lock, releases, servers, store
 from dynctl_agent.protocol import AgentError
 

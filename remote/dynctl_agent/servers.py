@@ -11,7 +11,7 @@ from __future__ import annotations
 import getpass
 import os
 
-from dynctl import hostspec, sglang
+from dynctl.base import hostspec, sglang
 from dynctl_agent import httpclient, launchconfig, procfs, releases, store
 from dynctl_agent.protocol import AgentError
 

@@ -9,7 +9,7 @@ import os
 import re
 import subprocess
 
-from dynctl import sglang
+from dynctl.base import sglang
 from dynctl_agent import hostinfo, store
 from dynctl_agent.protocol import AgentError
 

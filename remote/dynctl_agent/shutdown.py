@@ -8,7 +8,7 @@ import os
 import signal
 import time
 
-from dynctl import sglang
+from dynctl.base import sglang
 from dynctl_agent import hostinfo, nvidia, procfs, servers, store
 from dynctl_agent.protocol import AgentError
 

@@ -11,7 +11,7 @@ import threading
 import time
 import uuid
 
-from dynctl import sglang
+from dynctl.base import sglang
 from dynctl_agent import hostinfo, httpclient, procfs, releases, servers, store
 from dynctl_agent.protocol import AgentError
 

@@ -8,7 +8,7 @@ import hashlib
 import json
 import os
 
-from dynctl import sglang
+from dynctl.base import sglang
 from dynctl_agent.protocol import AgentError
 
 JOURNAL = "journal.jsonl"

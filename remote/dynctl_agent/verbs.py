@@ -13,7 +13,7 @@ import socket
 import sys
 import time
 
-from dynctl import hostspec
+from dynctl.base import hostspec
 from dynctl_agent.protocol import PROTOCOL, AgentError, Context, outcome, workdir_problem
 
 # verb: (module, function, streams); every function takes the Context and the request's params

@@ -2,7 +2,7 @@
 
 It answers one JSON line per interval, so the client never opens a channel per refresh and a slow host
 never piles up requests. Raw values only (Prometheus text, nvidia-smi CSV, log lines): the client parses
-them with dynctl.metrics, the same code `dynctl status` uses.
+them with dynctl.base.parsers.serverlog, the same code `dynctl status` uses.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import signal
 import threading
 import time
 
-from dynctl import sglang
+from dynctl.base import sglang
 from dynctl_agent import gpuprocs, httpclient, lock, nvidia, procfs, releases, serverinfo, servers
 from dynctl_agent.protocol import AgentError
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from dynctl import deploy as core
-from dynctl import lifecycle
-from dynctl.agent import AgentClient, open_agent
-from dynctl.config import Config, HostConfig
-from dynctl.events import EventSink
+from dynctl.core import deploy as core
+from dynctl.core import lifecycle
+from dynctl.agent.client import AgentClient, open_agent
+from dynctl.base.config import Config, HostConfig
+from dynctl.base.events import EventSink
 
 
 class CoreActions:

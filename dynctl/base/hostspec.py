@@ -1,7 +1,7 @@
 """A host's settings as both sides read them: their defaults, the rules a value must meet, the threshold's bounds.
 
 The config checks a TOML file with these rules and the host agent checks each request with the same ones (the
-agent's archive carries this file as `dynctl/hostspec.py`, like `dynctl/sglang.py`), so it is stdlib only and
+agent's archive carries this file as `dynctl/base/hostspec.py`, like `dynctl/base/sglang.py`), so it is stdlib only and
 runs on the agent's oldest interpreter (Python 3.9). Each check answers why a value is wrong, or None: the
 caller says where the value came from (a file and key, a request) and which error that is on its side.
 """

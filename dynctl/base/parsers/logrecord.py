@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-from dynctl.metrics import parse_decode_line, parse_transition_line, split_log_prefix
+from dynctl.base.parsers.serverlog import parse_decode_line, parse_transition_line, split_log_prefix
 
 
 def log_record(line: str, utc_offset: float | None = None) -> dict[str, Any]:

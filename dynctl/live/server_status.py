@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-from dynctl.agent import AgentClient
-from dynctl.errors import OperationFailed
+from dynctl.agent.client import AgentClient
+from dynctl.base.errors import OperationFailed
 from dynctl.patching.host import read_patch_state
-from dynctl.snapshot import HostSnapshot, build_snapshot
+from dynctl.live.snapshot import HostSnapshot, build_snapshot
 
 
 def sample_server(agent: AgentClient, simulated: bool = False) -> HostSnapshot:

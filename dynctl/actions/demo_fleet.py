@@ -20,13 +20,13 @@ from typing import Any
 import httpx
 import psutil
 
-from dynctl import events
-from dynctl.agent import open_agent
-from dynctl.config import Config, load_config
-from dynctl.demo import demo_root, free_port, register_tables
-from dynctl.errors import ConfigError, OperationFailed
-from dynctl.fleet import fan_out, fleet_target
-from dynctl.lifecycle import find_server, restart_server, server_argv
+from dynctl.base import events
+from dynctl.agent.client import open_agent
+from dynctl.base.config import Config, load_config
+from dynctl.actions.demo import demo_root, free_port, register_tables
+from dynctl.base.errors import ConfigError, OperationFailed
+from dynctl.core.fleet import fan_out, fleet_target
+from dynctl.core.lifecycle import find_server, restart_server, server_argv
 
 GROUP = "demo-fleet"
 MAX_FLEET = 8
@@ -150,7 +150,7 @@ def _wait_gateway(gateway: str, urls: list[str], timeout: float = 60.0) -> None:
 
 def rolling_deploy(fleet: DemoFleet, threshold: int, on_event: events.EventSink = events.ignore,
                    drain: float = 5.0) -> list[Any]:
-    from dynctl.rollout import RollingOperation
+    from dynctl.core.rollout import RollingOperation
 
     target = fleet_target(fleet.config, GROUP, None)
     assert target is not None

@@ -13,7 +13,7 @@ import zipfile
 from functools import cache
 from pathlib import Path
 
-_PKG = Path(__file__).resolve().parent
+_PKG = Path(__file__).resolve().parents[1]  # the dynctl package
 
 
 def _shipped_dir(checkout_name: str, wheel_name: str, marker: str) -> Path:
@@ -48,20 +48,20 @@ def patches_dir() -> Path:
     return _shipped_dir("patches", "_patches", "spec_batch_threshold.py")
 
 
-# The agent imports dynctl.sglang and dynctl.hostspec as the client does; the archive carries those modules.
-CLIENT_MODULES = ("sglang.py", "hostspec.py")
-_CLIENT_PART = b'"""The part of the dynctl client that the host agent imports: dynctl.sglang, dynctl.hostspec."""\n'
+# The agent imports dynctl.base.sglang and dynctl.base.hostspec as the client does; the archive carries them.
+CLIENT_MODULES = ("base/sglang.py", "base/hostspec.py")
+_CLIENT_PART = b'"""The part of the dynctl client that the host agent imports: base.sglang, base.hostspec."""\n'
 
 
 def agent_files(agent_dir: Path | None = None, sglang_file: Path | None = None) -> dict[str, bytes]:
     """What the agent archive holds, by path inside it: the package's modules (no bytecode) and CLIENT_MODULES."""
     agent_dir = agent_dir or remote_dir() / "dynctl_agent"
     files = {f"dynctl_agent/{p.name}": p.read_bytes() for p in agent_dir.glob("*.py")}
-    files["dynctl/__init__.py"] = _CLIENT_PART
+    files["dynctl/__init__.py"] = files["dynctl/base/__init__.py"] = _CLIENT_PART
     for name in CLIENT_MODULES:
         files[f"dynctl/{name}"] = (_PKG / name).read_bytes()
     if sglang_file is not None:
-        files["dynctl/sglang.py"] = sglang_file.read_bytes()
+        files["dynctl/base/sglang.py"] = sglang_file.read_bytes()
     return files
 
 

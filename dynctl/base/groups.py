@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from dynctl.errors import ConfigError, UsageError
+from dynctl.base.errors import ConfigError, UsageError
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")

@@ -1,7 +1,7 @@
 """What dynctl knows about SGLang, in one place: names, endpoints, rules it copies from sglang's source.
 
 Used by the client, the simulator and the host agent (the agent's archive carries this file as
-`dynctl/sglang.py`), so it is stdlib only and runs on the agent's oldest interpreter (Python 3.9).
+`dynctl/base/sglang.py`), so it is stdlib only and runs on the agent's oldest interpreter (Python 3.9).
 """
 
 from __future__ import annotations

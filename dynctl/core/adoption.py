@@ -10,11 +10,11 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from dynctl import events, sglang
-from dynctl.agent import AgentClient
-from dynctl.errors import PreflightError
-from dynctl.events import EventSink
-from dynctl.lifecycle import Confirm, find_server, operator_server
+from dynctl.base import events, sglang
+from dynctl.agent.client import AgentClient
+from dynctl.base.errors import PreflightError
+from dynctl.base.events import EventSink
+from dynctl.core.lifecycle import Confirm, find_server, operator_server
 
 # dynctl's own speculation flags, with the number of values each takes: a new deploy sets them anew
 _OWN_SPECULATION_FLAGS = {sglang.THRESHOLD_FLAG: 1, sglang.ADAPTIVE_CONFIG_FLAG: 1, sglang.ADAPTIVE_FLAG: 0}

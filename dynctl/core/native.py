@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from dynctl import pysource, sglang
-from dynctl.errors import PreflightError, UsageError
+from dynctl.base import pysource, sglang
+from dynctl.base.errors import PreflightError, UsageError
 from dynctl.patching.versions import parse_threshold
 
 DEFAULT_CONFIG_NAME = "adaptive_spec.json"

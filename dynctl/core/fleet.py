@@ -10,11 +10,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
-from dynctl.agent import open_agent
-from dynctl.config import Config, HostConfig
-from dynctl.errors import DynctlError, UsageError
-from dynctl.gateway import GatewayClient, Worker
-from dynctl.groups import Gateway, expand, gateways_of
+from dynctl.agent.client import open_agent
+from dynctl.base.config import Config, HostConfig
+from dynctl.base.errors import DynctlError, UsageError
+from dynctl.core.gateway import GatewayClient, Worker
+from dynctl.base.groups import Gateway, expand, gateways_of
 
 DEFAULT_CONCURRENCY = 16  # hosts contacted at once; each has one connection
 # Hosts behind one SSH endpoint (containers on one Proxmox node) share its connection, and sshd refuses a
@@ -123,7 +123,7 @@ class HostRow:
 
 def host_row(member: Member, config: Config) -> HostRow:
     """Sample one host over its own connection: server state, release, threshold, batch, tok/s, GPUs."""
-    from dynctl.server_status import sample_server
+    from dynctl.live.server_status import sample_server
 
     host = member.host
     row = HostRow(host.name, host.route, ok=False, simulated=host.simulated, worker_url=host.gateway_url)

@@ -12,16 +12,16 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
-from dynctl.config import Config, HostConfig
-from dynctl.errors import DynctlError
-from dynctl.snapshot import HostHistory, HostSnapshot, build_snapshot, disconnected
+from dynctl.base.config import Config, HostConfig
+from dynctl.base.errors import DynctlError
+from dynctl.live.snapshot import HostHistory, HostSnapshot, build_snapshot, disconnected
 
 OnUpdate = Callable[[HostSnapshot, HostHistory], None]
 BACKOFF = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
 
 
 class WatchClient(Protocol):
-    """What the feed needs of `dynctl.agent.AgentClient`."""
+    """What the feed needs of `dynctl.agent.client.AgentClient`."""
 
     def stream(self, verb: str, **params: Any) -> Iterator[dict[str, Any]]: ...
 
@@ -154,7 +154,7 @@ class HostFeed:
 
 def default_client_opener(host: HostConfig, config: Config | None) -> Callable[[], WatchClient]:
     def open_client() -> WatchClient:
-        from dynctl.agent import LOOK_TIMEOUT, open_agent
+        from dynctl.agent.client import LOOK_TIMEOUT, open_agent
 
         return open_agent(host, config, timeout=LOOK_TIMEOUT)
 

@@ -17,13 +17,13 @@ from typing import Any
 
 import tomlkit
 
-from dynctl import deploy as core
-from dynctl import events
-from dynctl.agent import AgentClient, open_agent
-from dynctl.config import Config, HostConfig, find_config_path, load_config, user_config_path
-from dynctl.configedit import keep_trailing_lines
-from dynctl.errors import ConfigError
-from dynctl.lifecycle import find_server, restart_server, server_argv
+from dynctl.core import deploy as core
+from dynctl.base import events
+from dynctl.agent.client import AgentClient, open_agent
+from dynctl.base.config import Config, HostConfig, find_config_path, load_config, user_config_path
+from dynctl.base.configedit import keep_trailing_lines
+from dynctl.base.errors import ConfigError
+from dynctl.core.lifecycle import find_server, restart_server, server_argv
 
 DEMO_HOST = "demo"
 RAMP = (1, 2, 4, 8, 16, 32, 64, 32, 16, 8, 4, 2, 1)

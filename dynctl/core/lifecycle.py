@@ -3,7 +3,7 @@
 `stop`, `start` and `restart` are the commands as an operator asks for them, decisions included (already
 stopped, already running, which argv, what to confirm): the CLI and the TUI's keys both call them. The
 `*_server` functions below them call one agent verb each (the work happens on the host). Progress goes to
-an `on_event` sink as `dynctl.events`.
+an `on_event` sink as `dynctl.base.events`.
 """
 
 from __future__ import annotations
@@ -14,11 +14,12 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from dynctl import events, hostspec, operations, sglang
-from dynctl.agent import AgentClient, AgentError
-from dynctl.config import HostConfig, own_flag_in
-from dynctl.errors import ConfigError, DynctlError, Interrupted, OperationFailed, PreflightError
-from dynctl.events import EventSink
+from dynctl.base import events, hostspec, sglang
+from dynctl.core import operations
+from dynctl.agent.client import AgentClient, AgentError
+from dynctl.base.config import HostConfig, own_flag_in
+from dynctl.base.errors import ConfigError, DynctlError, Interrupted, OperationFailed, PreflightError
+from dynctl.base.events import EventSink
 
 # The longest waits an operator may ask for; a value beyond them (inf, NaN) would hold the host lock without end.
 # The agent enforces the same bounds (dynctl_agent.protocol.LIMITS).

@@ -7,9 +7,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from dynctl.agent import LOOK_TIMEOUT, AgentClient, open_agent
-from dynctl.config import Config, HostConfig
-from dynctl.errors import DynctlError
+from dynctl.agent.client import LOOK_TIMEOUT, AgentClient, open_agent
+from dynctl.base.config import Config, HostConfig
+from dynctl.base.errors import DynctlError
 
 
 @dataclass

@@ -14,9 +14,9 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from dynctl import events
-from dynctl.agent import AgentClient
-from dynctl.errors import (
+from dynctl.base import events
+from dynctl.agent.client import AgentClient
+from dynctl.base.errors import (
     DynctlError,
     HostKeyError,
     Interrupted,
@@ -26,7 +26,7 @@ from dynctl.errors import (
     UsageError,
 )
 
-Record = dict[str, Any]  # one of the agent's operation records; `dynctl.events.OperationEvents` reads them
+Record = dict[str, Any]  # one of the agent's operation records; `dynctl.base.events.OperationEvents` reads them
 Failure = Callable[[Record, str], DynctlError]
 LATEST = "latest"
 RECONNECT_FOR_S = 60.0

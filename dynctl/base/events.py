@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from dynctl import sglang
+from dynctl.base import sglang
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,9 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from dynctl import resources
-from dynctl.config import Config, HostConfig
-from dynctl.errors import (
+from dynctl.agent import archive
+from dynctl.base.config import Config, HostConfig
+from dynctl.base.errors import (
     ConfigError,
     DynctlError,
     HostKeyError,
@@ -20,7 +20,7 @@ from dynctl.errors import (
     UnreachableError,
     UsageError,
 )
-from dynctl.hostspec import workdir_problem
+from dynctl.base.hostspec import workdir_problem
 from dynctl.transport import close_all, connect
 from dynctl.transport.base import Transport
 
@@ -41,12 +41,12 @@ LOOK_TIMEOUT = 30.0  # for what only looks (the live feed, `dynctl hosts`): an u
 def boot_argv(python: str, workdir: str) -> list[str]:
     # -S: the agent is the standard library and its own copy, so site's work (site-packages, every .pth file
     # of the server's environment) is skipped on every call
-    return [python, "-S", "-c", _CONSTANTS + resources.host_program("checks", "boot"), workdir, resources.agent_digest(),
-            resources.host_program("words")]
+    return [python, "-S", "-c", _CONSTANTS + archive.host_program("checks", "boot"), workdir, archive.agent_digest(),
+            archive.host_program("words")]
 
 
 def upload_argv(python: str, workdir: str, repair: bool = False) -> list[str]:
-    return [python, "-c", resources.host_program("checks", "words", "upload"), workdir, resources.agent_digest(),
+    return [python, "-c", archive.host_program("checks", "words", "upload"), workdir, archive.agent_digest(),
             *(["repair"] * repair)]
 
 
@@ -108,7 +108,7 @@ class AgentClient:
         """Install the agent unless an intact copy is there; `repair`: replace the copy in any case."""
         argv = upload_argv(self.host.python, self.host.workdir, repair)
         self.round_trips += 1
-        res = self.transport.run(argv, stdin=resources.agent_archive(), timeout=self.timeout)
+        res = self.transport.run(argv, stdin=archive.agent_archive(), timeout=self.timeout)
         # exit 3: the upload program's own refusal, whatever its text says
         if res.rc == 127 or (res.rc != 3 and b"No such file" in res.err and not res.out):
             raise PreflightError(

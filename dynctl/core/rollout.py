@@ -20,14 +20,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dynctl import deploy as core
-from dynctl import events, operations
-from dynctl.agent import AgentClient, open_agent
-from dynctl.config import Config, user_state_dir
-from dynctl.errors import DynctlError, OperationFailed, PreflightError
-from dynctl.fleet import Fleet, Member, endpoint_slot, fan_out
-from dynctl.gateway import GatewayClient
-from dynctl.lifecycle import Confirm, proceed
+from dynctl.core import deploy as core
+from dynctl.base import events
+from dynctl.core import operations
+from dynctl.agent.client import AgentClient, open_agent
+from dynctl.base.config import Config, user_state_dir
+from dynctl.base.errors import DynctlError, OperationFailed, PreflightError
+from dynctl.core.fleet import Fleet, Member, endpoint_slot, fan_out
+from dynctl.core.gateway import GatewayClient
+from dynctl.core.lifecycle import Confirm, proceed
 
 DEFAULT_DRAIN_S = 30.0  # the longest request a gateway is given to finish before its worker is removed
 REGISTER_TIMEOUT_S = 120.0
@@ -348,7 +349,7 @@ class RollingOperation:
 
     def _wait_idle(self, p: HostPlan, deadline: float) -> None:
         """Until the server itself runs and queues nothing (requests the gateway had sent before)."""
-        from dynctl.server_status import sample_server
+        from dynctl.live.server_status import sample_server
 
         while time.monotonic() < deadline:
             snap = sample_server(p.agent, p.member.host.simulated)

@@ -10,8 +10,8 @@ from typing import Any
 
 import tomlkit
 
-from dynctl.config import load_config
-from dynctl.errors import ConfigError
+from dynctl.base.config import load_config
+from dynctl.base.errors import ConfigError
 
 
 def _last_table(table: Any) -> Any:

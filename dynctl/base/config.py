@@ -9,9 +9,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from dynctl import hostspec
-from dynctl.errors import ConfigError, UsageError
-from dynctl.hostspec import workdir_problem
+from dynctl.base import hostspec
+from dynctl.base.errors import ConfigError, UsageError
+from dynctl.base.hostspec import workdir_problem
 
 DEFAULT_LAUNCH = ("{python}", "-m", "sglang.launch_server")
 DEFAULT_KEEP_HISTORY = hostspec.DEFAULT_KEEP_HISTORY
@@ -94,7 +94,7 @@ class Config:
     default_host: str | None = None
     ssh_config: str | None = None
     known_hosts: str | None = None
-    groups: dict[str, Any] = field(default_factory=dict)  # name -> dynctl.groups.GroupConfig
+    groups: dict[str, Any] = field(default_factory=dict)  # name -> dynctl.base.groups.GroupConfig
 
     def host(self, name: str | None) -> HostConfig:
         """The host called `name`, else the default host, else this machine."""
@@ -180,7 +180,7 @@ def parse_config(data: dict[str, Any], path: Path | None = None) -> Config:
             f"{where}: default_host = '{default}' names no [hosts.{default}] section "
             f"(defined: {', '.join(sorted(hosts)) or 'none'})"
         )
-    from dynctl.groups import parse_groups
+    from dynctl.base.groups import parse_groups
 
     return Config(
         path=path,
@@ -299,7 +299,7 @@ def _parse_host(name: str, raw: Any, where: str) -> HostConfig:
                               f"(auto: the patch where dynctl has one for the release, else native), got {strategy!r}")
         host = replace(host, strategy=strategy)
     if "worker_url" in raw:
-        from dynctl.groups import url_problem
+        from dynctl.base.groups import url_problem
 
         url = _opt_str(raw, "worker_url", where, f"{key}.worker_url")
         if problem := url_problem(url):

@@ -9,14 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from dynctl import adoption, events, operations, sglang
-from dynctl.agent import AgentClient
-from dynctl.config import HostConfig
-from dynctl.errors import PreflightError
-from dynctl.lifecycle import (
+from dynctl.base import events, sglang
+from dynctl.core import adoption, operations
+from dynctl.agent.client import AgentClient
+from dynctl.base.config import HostConfig
+from dynctl.base.errors import PreflightError
+from dynctl.core.lifecycle import (
     Adopt, Confirm, find_server, live_threshold, never_adopt, operator_server, proceed, server_argv, takeover,
 )
-from dynctl.native import plan_native
+from dynctl.core.native import plan_native
 from dynctl.patching import parse_threshold, plan_patch, strategy_for
 from dynctl.patching.host import patch_state_from, plan_for_apply, read_patch_state
 from dynctl.patching.recipe import target_files

@@ -12,17 +12,15 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from dynctl import sglang
-from dynctl.metrics import (
-    GpuStat,
-    MetricsFormatError,
-    ServerMetrics,
-    parse_compute_apps_csv,
+from dynctl.base import sglang
+from dynctl.base.parsers import MetricsFormatError
+from dynctl.base.parsers.nvidia_smi import GpuStat, parse_compute_apps_csv, parse_gpu_csv
+from dynctl.base.parsers.prometheus import ServerMetrics, read_server_metrics
+from dynctl.base.parsers.serverlog import (
+    DecodeLine,
     parse_decode_line,
-    parse_gpu_csv,
     parse_threshold_warning,
     parse_transition_line,
-    read_server_metrics,
     split_log_prefix,
 )
 
@@ -176,34 +174,20 @@ def build_snapshot(item: dict[str, Any], host: str, prev: HostSnapshot | None = 
     proc = item.get("process") or {}
     pid, alive, started = proc.get("pid"), bool(proc.get("alive")), proc.get("started")
     same_run = prev is not None and prev.pid == pid and pid is not None
+    run_prev = prev if same_run else None  # what a sample does not repeat holds only within one server run
 
     metrics_part = item.get("metrics") or {}
-    metrics, metrics_error = ServerMetrics(), None
-    if metrics_part.get("ok"):
-        try:
-            metrics = read_server_metrics(metrics_part.get("text", ""))
-        except MetricsFormatError as err:
-            metrics_error = str(err)
-    else:
-        metrics_error = metrics_part.get("error")
-
+    metrics, metrics_error = _read_metrics(metrics_part)
     info_part = item.get("server_info")
-    carried = prev.server_info if prev is not None and same_run else {}
-    if info_part is not None and info_part.get("ok"):
-        info = info_part.get("data") or {}
-        info_time: float | None = t
-    else:  # not sampled this time, or slow to answer: the last one of the same server run still holds
-        info = carried
-        info_time = prev.info_time if prev is not None and same_run else None
+    info, info_time = _read_info(info_part, t, run_prev)
     info_age = None if info_time is None else max(0.0, t - info_time)
     state_info = info.get("internal_state") or {}
 
     log = item.get("log") or {}
-    lines = tuple(log.get("lines") or ())
     decode = parse_decode_line(log["decode"], offset) if log.get("decode") else None
     switches, drain_pid, spec_warning = _read_marks(
         log.get("marks") or (), t, offset, pid, started,
-        prev.drain_pid if prev is not None else None, prev.spec_warning if prev is not None and same_run else None)
+        prev.drain_pid if prev is not None else None, run_prev.spec_warning if run_prev else None)
 
     answering = _answering(metrics_part) or _answering(info_part)
     draining = (drain_pid == pid and pid is not None) or bool(proc.get("stopping"))  # log mark, or dynctl's stop
@@ -211,7 +195,7 @@ def build_snapshot(item: dict[str, Any], host: str, prev: HostSnapshot | None = 
     up = state != "down"
 
     algorithm = info.get("speculative_algorithm") if info else None
-    spec_configured = (algorithm not in (None, "", "NONE")) if info else (prev.spec_configured if same_run and prev else None)
+    spec_configured = (algorithm not in (None, "", "NONE")) if info else (run_prev.spec_configured if run_prev else None)
     release = item.get("release") or {}
     strategy = _first(release.get("strategy"),
                       "patch" if metrics.spec_enabled is not None or metrics.spec_threshold is not None else None,
@@ -220,43 +204,14 @@ def build_snapshot(item: dict[str, Any], host: str, prev: HostSnapshot | None = 
 
     live = _live_loads(item.get("loads"))
     idle = up and live[0] == 0 and live[1] == 0
-    speculation = _speculation(metrics, switches, spec_configured, strategy, prev if same_run else None)
-    if not up:
-        speculation = None
-    if (not switches and speculation is not None and prev is not None and same_run and not prev.idle
-            and not idle and prev.speculation is not None and prev.speculation != speculation):
-        switches.append(Switch(t, speculation))  # seen in the gauge only: the sample time is the best we know
-    last_switch = latest_switch(switches) if switches else (prev.last_switch if prev else None)
-    if last_switch is not None and prev is not None and prev.last_switch is not None and prev.last_switch.time > last_switch.time:
-        last_switch = prev.last_switch
+    speculation = _speculation(metrics, switches, spec_configured, strategy, run_prev) if up else None
+    last_switch = _last_switch(switches, speculation, t, idle, prev, run_prev)
 
-    running = _first(live[0], metrics.running_reqs, decode.running_reqs if decode else None) if up else None
-    queue = _first(live[1], metrics.queue_reqs, decode.queue_reqs if decode else None) if up else None
-    last_decode = _first(decode.time if decode else None, prev.last_decode_time if same_run and prev else None)
+    last_decode = _first(decode.time if decode else None, run_prev.last_decode_time if run_prev else None)
     gauge_age = None if last_decode is None else max(0.0, t - last_decode)
-    window = _counter_window(prev.counter_window if same_run and prev else (), t, metrics.generation_tokens) if up else ()
+    window = _counter_window(run_prev.counter_window if run_prev else (), t, metrics.generation_tokens) if up else ()
     rate = _rate(window)
-    readings: dict[str, Reading] = {}
-    if up:
-        for name, loads_value, gauge_value in (("running_reqs", live[0], metrics.running_reqs),
-                                               ("queue_reqs", live[1], metrics.queue_reqs)):
-            readings[name] = (Reading("/v1/loads", 0.0) if loads_value is not None else
-                              Reading("metrics", gauge_age) if gauge_value is not None else Reading("log", gauge_age))
-        readings["gen_throughput"] = (Reading("counter", 0.0) if rate is not None else
-                                      Reading("metrics", gauge_age) if metrics.gen_throughput is not None
-                                      else Reading("log", gauge_age))
-        readings["token_usage"] = (Reading("/v1/loads", 0.0) if live[2] is not None else
-                                   Reading("metrics", gauge_age) if metrics.token_usage is not None
-                                   else Reading("log", gauge_age))
-        readings["accept_length"] = (Reading("metrics", gauge_age) if metrics.accept_length is not None else
-                                     Reading("log", gauge_age) if decode is not None and decode.accept_length
-                                     is not None else Reading("/server_info", info_age))
-        # the patch's gauge changes at every decode step that flips it, so it is as fresh as the sample
-        readings["speculation"] = (Reading("metrics", 0.0) if metrics.spec_enabled is not None else
-                                   Reading("log", 0.0) if switches else Reading("inferred", None))
-        readings["threshold"] = (Reading("/server_info", info_age) if _int_or_none(state_info.get(sglang.THRESHOLD_KEY))
-                                 is not None else Reading("metrics", 0.0) if metrics.spec_threshold is not None
-                                 else Reading("/server_info", info_age))
+    readings = _readings(metrics, live, decode, bool(switches), rate, gauge_age, info_age, state_info) if up else {}
     gpus, gpu_error = _read_gpus(item.get("gpus") or {})
     gpu_part = item.get("gpus") or {}
     if gpus and gpu_part.get("t") is not None:  # the looping nvidia-smi's last full block
@@ -265,19 +220,7 @@ def build_snapshot(item: dict[str, Any], host: str, prev: HostSnapshot | None = 
     if holders is None:
         holders = prev.gpu_processes if prev is not None else ()
 
-    lock = item.get("lock") or None
-    operation = None
-    if lock:
-        operation = f"{lock.get('operation') or 'operation'} by {lock.get('who') or '?'} since {lock.get('started') or '?'}"
-
-    # The scheduler's own read-back first: the patch writes its gauge only on a decode step, so after a
-    # live change on an idle server the gauge still shows the old value while /server_info has the new.
-    # Only what the server says: a hand-started or restarted server need not run the release's threshold.
-    threshold = _first(_int_or_none(state_info.get(sglang.THRESHOLD_KEY)),
-                       metrics.spec_threshold,
-                       _int_or_none(info.get(sglang.THRESHOLD_KEY)),
-                       _int_or_none(info.get("adaptive_threshold")),
-                       prev.threshold if same_run and prev else None) if up else None
+    threshold = _read_threshold(metrics, info, state_info, run_prev) if up else None
     release_threshold = _first(_int_or_none(release.get("effective_threshold")), _int_or_none(release.get("threshold")))
     if idle and strategy == "patch" and threshold is not None and spec_configured and not spec_warning:
         # Nothing runs, so no step decides; the gauge keeps the last decision (say, OFF after a burst that
@@ -295,26 +238,18 @@ def build_snapshot(item: dict[str, Any], host: str, prev: HostSnapshot | None = 
                               prev.sglang_version if prev is not None else None),
         strategy=strategy,
         release=release.get("id") or proc.get("release"),
-        operation=operation,
+        operation=_operation(item.get("lock") or None),
         threshold=threshold,
         release_threshold=release_threshold,
-        running_reqs=running,
         idle=idle,
-        queue_reqs=queue,
-        token_usage=_first(live[2], metrics.token_usage, decode.token_usage if decode else None) if up else None,
-        used_tokens=_first(metrics.used_tokens, decode.tokens if decode else None) if up else None,
-        max_total_tokens=metrics.max_total_tokens if up else None,
-        gen_throughput=_first(rate, metrics.gen_throughput, decode.gen_throughput if decode else None) if up else None,
-        accept_length=_first(metrics.accept_length, decode.accept_length if decode else None,
-                             state_info.get("avg_spec_accept_length")) if up and spec_configured is not False else None,
+        **(_server_numbers(metrics, live, decode, rate, state_info, spec_configured) if up else {}),
         spec_configured=spec_configured,
         speculation=speculation,
         last_switch=last_switch,
-        disabled_steps=metrics.spec_disabled_steps if up else None,
         gpus=gpus,
         gpu_error=gpu_error,
         gpu_processes=holders,
-        log_lines=lines,
+        log_lines=tuple(log.get("lines") or ()),
         log_replace=item.get("seq") == 0,
         log_restarted=bool(log.get("reset")),
         switches=tuple(sorted(switches, key=lambda s: s.time)),
@@ -332,6 +267,100 @@ def build_snapshot(item: dict[str, Any], host: str, prev: HostSnapshot | None = 
         last_decode_time=last_decode,
         info_time=info_time,
     )
+
+
+def _server_numbers(metrics: ServerMetrics, live: tuple[int | None, int | None, float | None],
+                    decode: DecodeLine | None, rate: float | None, state_info: dict[str, Any],
+                    spec_configured: bool | None) -> dict[str, Any]:
+    """The live numbers of a running server, each from the most direct source that has it."""
+    return dict(
+        running_reqs=_first(live[0], metrics.running_reqs, decode.running_reqs if decode else None),
+        queue_reqs=_first(live[1], metrics.queue_reqs, decode.queue_reqs if decode else None),
+        token_usage=_first(live[2], metrics.token_usage, decode.token_usage if decode else None),
+        used_tokens=_first(metrics.used_tokens, decode.tokens if decode else None),
+        max_total_tokens=metrics.max_total_tokens,
+        gen_throughput=_first(rate, metrics.gen_throughput, decode.gen_throughput if decode else None),
+        accept_length=_first(metrics.accept_length, decode.accept_length if decode else None,
+                             state_info.get("avg_spec_accept_length")) if spec_configured is not False else None,
+        disabled_steps=metrics.spec_disabled_steps,
+    )
+
+
+def _read_metrics(part: dict[str, Any]) -> tuple[ServerMetrics, str | None]:
+    if not part.get("ok"):
+        return ServerMetrics(), part.get("error")
+    try:
+        return read_server_metrics(part.get("text", "")), None
+    except MetricsFormatError as err:
+        return ServerMetrics(), str(err)
+
+
+def _read_info(part: dict[str, Any] | None, t: float,
+               run_prev: HostSnapshot | None) -> tuple[dict[str, Any], float | None]:
+    """/server_info and when it answered."""
+    if part is not None and part.get("ok"):
+        return part.get("data") or {}, t
+    # not sampled this time, or slow to answer: the last one of the same server run still holds
+    return (run_prev.server_info, run_prev.info_time) if run_prev is not None else ({}, None)
+
+
+def _last_switch(switches: list[Switch], speculation: bool | None, t: float, idle: bool,
+                 prev: HostSnapshot | None, run_prev: HostSnapshot | None) -> Switch | None:
+    """The newest switch known; one seen in the gauge only is added to `switches`."""
+    if (not switches and speculation is not None and run_prev is not None and not run_prev.idle
+            and not idle and run_prev.speculation is not None and run_prev.speculation != speculation):
+        switches.append(Switch(t, speculation))  # seen in the gauge only: the sample time is the best we know
+    last = latest_switch(switches) if switches else (prev.last_switch if prev else None)
+    if last is not None and prev is not None and prev.last_switch is not None and prev.last_switch.time > last.time:
+        return prev.last_switch
+    return last
+
+
+def _readings(metrics: ServerMetrics, live: tuple[int | None, int | None, float | None], decode: DecodeLine | None,
+              switched: bool, rate: float | None, gauge_age: float | None, info_age: float | None,
+              state_info: dict[str, Any]) -> dict[str, Reading]:
+    """Where each live number of a running server came from, and how old it is."""
+    readings: dict[str, Reading] = {}
+    for name, loads_value, gauge_value in (("running_reqs", live[0], metrics.running_reqs),
+                                           ("queue_reqs", live[1], metrics.queue_reqs)):
+        readings[name] = (Reading("/v1/loads", 0.0) if loads_value is not None else
+                          Reading("metrics", gauge_age) if gauge_value is not None else Reading("log", gauge_age))
+    readings["gen_throughput"] = (Reading("counter", 0.0) if rate is not None else
+                                  Reading("metrics", gauge_age) if metrics.gen_throughput is not None
+                                  else Reading("log", gauge_age))
+    readings["token_usage"] = (Reading("/v1/loads", 0.0) if live[2] is not None else
+                               Reading("metrics", gauge_age) if metrics.token_usage is not None
+                               else Reading("log", gauge_age))
+    readings["accept_length"] = (Reading("metrics", gauge_age) if metrics.accept_length is not None else
+                                 Reading("log", gauge_age) if decode is not None and decode.accept_length
+                                 is not None else Reading("/server_info", info_age))
+    # the patch's gauge changes at every decode step that flips it, so it is as fresh as the sample
+    readings["speculation"] = (Reading("metrics", 0.0) if metrics.spec_enabled is not None else
+                               Reading("log", 0.0) if switched else Reading("inferred", None))
+    readings["threshold"] = (Reading("/server_info", info_age) if _int_or_none(state_info.get(sglang.THRESHOLD_KEY))
+                             is not None else Reading("metrics", 0.0) if metrics.spec_threshold is not None
+                             else Reading("/server_info", info_age))
+    return readings
+
+
+def _read_threshold(metrics: ServerMetrics, info: dict[str, Any], state_info: dict[str, Any],
+                    run_prev: HostSnapshot | None) -> int | None:
+    """The threshold a running server reports. The scheduler's own read-back first: the patch writes its gauge
+    only on a decode step, so after a live change on an idle server the gauge still shows the old value while
+    /server_info has the new. Only what the server says: a hand-started or restarted server need not run the
+    release's threshold."""
+    return _first(_int_or_none(state_info.get(sglang.THRESHOLD_KEY)),
+                  metrics.spec_threshold,
+                  _int_or_none(info.get(sglang.THRESHOLD_KEY)),
+                  _int_or_none(info.get("adaptive_threshold")),
+                  run_prev.threshold if run_prev else None)
+
+
+def _operation(lock: dict[str, Any] | None) -> str | None:
+    """"deploy by alice since ..." while the host lock is held."""
+    if not lock:
+        return None
+    return f"{lock.get('operation') or 'operation'} by {lock.get('who') or '?'} since {lock.get('started') or '?'}"
 
 
 def _counter_window(window: tuple[tuple[float, float], ...], t: float,

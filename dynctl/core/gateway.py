@@ -15,8 +15,8 @@ from typing import Any
 
 import httpx
 
-from dynctl.errors import OperationFailed, UnreachableError, UsageError
-from dynctl.groups import Gateway
+from dynctl.base.errors import OperationFailed, UnreachableError, UsageError
+from dynctl.base.groups import Gateway
 
 ROUTED_HEADER = "x-smg-routed-worker-id"  # smg names the worker URL that served a request
 TARGET_HEADER = "x-smg-target-worker"

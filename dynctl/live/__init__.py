@@ -1,0 +1,1 @@
+"""What reads a host's live numbers, UI-free: the snapshot, the feed that polls it, the server status."""
