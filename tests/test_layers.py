@@ -15,7 +15,8 @@ UI_LIBRARIES = ("typer", "textual", "rich", "textual_plotext", "click")
 
 # The core and what it stands on: everything `dynctl deploy` runs, without the views.
 CORE = ("dynctl.core.deploy", "dynctl.core.lifecycle", "dynctl.core.operations", "dynctl.core.native",
-        "dynctl.core.inventory", "dynctl.core.adoption",
+        "dynctl.core.inventory", "dynctl.core.adoption", "dynctl.core.gateway", "dynctl.core.fleet",
+        "dynctl.core.rollout",
         "dynctl.live.server_status", "dynctl.live.snapshot", "dynctl.live.feed", "dynctl.patching",
         "dynctl.bench.runner", "dynctl.bench.modes", "dynctl.bench.stats", "dynctl.agent.client",
         "dynctl.transport.ssh", "dynctl.transport.pct", "dynctl.base.config", "dynctl.base.events",

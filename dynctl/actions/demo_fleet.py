@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 import psutil
 
 from dynctl.base import events
@@ -25,6 +24,7 @@ from dynctl.agent.client import open_agent
 from dynctl.base.config import Config, load_config
 from dynctl.actions.demo import demo_root, free_port, register_tables
 from dynctl.base.errors import ConfigError, OperationFailed
+from dynctl.base.httpjson import HttpError, JsonHttp
 from dynctl.core.fleet import fan_out, fleet_target
 from dynctl.core.lifecycle import find_server, restart_server, server_argv
 
@@ -133,15 +133,16 @@ def prepare(count: int, config_path: str | None = None, time_scale: float = 1.0,
 def _wait_gateway(gateway: str, urls: list[str], timeout: float = 60.0) -> None:
     """Until the gateway lists every URL ready, registering those it does not know (the demo's own fleet)."""
     deadline = time.monotonic() + timeout
+    http = JsonHttp(gateway, timeout=5)
     while True:
         try:
-            workers = {w["url"].rstrip("/"): w for w in httpx.get(f"{gateway}/workers", timeout=5).json()["workers"]}
+            workers = {w["url"].rstrip("/"): w for w in http.request("GET", "/workers").json()["workers"]}
             for url in urls:
                 if url not in workers:
-                    httpx.post(f"{gateway}/workers", json={"url": url}, timeout=5)
+                    http.post("/workers", json={"url": url})
             if all(str(workers.get(u, {}).get("status", "")).lower() == "ready" for u in urls):
                 return
-        except (httpx.HTTPError, ValueError, KeyError):
+        except (HttpError, ValueError, KeyError):
             pass
         if time.monotonic() > deadline:
             raise OperationFailed(f"the demo gateway {gateway} did not list every server ready in {timeout:.0f} s")
@@ -165,16 +166,15 @@ def drive_load(gateway: str, stop: threading.Event, streams: int = 4) -> None:
     """Closed-loop streaming completions through the gateway until `stop` (the demo's traffic)."""
 
     def loop(i: int) -> None:
-        with httpx.Client(base_url=gateway, timeout=60) as http:
-            while not stop.is_set():
-                body = {"model": "/models/demo-simulated", "prompt": f"demo fleet {i}", "max_tokens": 128,
-                        "stream": True}
-                try:
-                    with http.stream("POST", "/v1/completions", json=body) as r:
-                        for _ in r.iter_lines():
-                            pass
-                except httpx.HTTPError:
-                    stop.wait(0.5)
+        http = JsonHttp(gateway, timeout=60)
+        while not stop.is_set():
+            body = {"model": "/models/demo-simulated", "prompt": f"demo fleet {i}", "max_tokens": 128,
+                    "stream": True}
+            try:
+                for _ in http.stream_lines("POST", "/v1/completions", json=body):
+                    pass
+            except HttpError:
+                stop.wait(0.5)
 
     for i in range(streams):
         threading.Thread(target=loop, args=(i,), name=f"demo-fleet-load-{i}", daemon=True).start()

@@ -13,10 +13,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
-
 from dynctl.base.errors import OperationFailed, UnreachableError, UsageError
 from dynctl.base.groups import Gateway
+from dynctl.base.httpjson import HttpError, JsonHttp, Response
 
 ROUTED_HEADER = "x-smg-routed-worker-id"  # smg names the worker URL that served a request
 TARGET_HEADER = "x-smg-target-worker"
@@ -47,15 +46,15 @@ class GatewayClient:
         self.gateway = gateway
         key = gateway.admin_key()
         headers = {"Authorization": f"Bearer {key}"} if key else {}
-        self._http = httpx.Client(base_url=gateway.url, headers=headers, timeout=timeout)
+        self._http = JsonHttp(gateway.url, headers=headers, timeout=timeout)
 
     def close(self) -> None:
         self._http.close()
 
-    def _request(self, method: str, path: str, **kw: Any) -> httpx.Response:
+    def _request(self, method: str, path: str, **kw: Any) -> Response:
         try:
             response = self._http.request(method, path, **kw)
-        except httpx.HTTPError as err:
+        except HttpError as err:
             raise UnreachableError(f"gateway {self.gateway.url} (group {self.gateway.group}): {method} {path}: "
                                    f"{type(err).__name__}: {err or 'no answer'}") from None
         if response.status_code in (401, 403):
@@ -131,7 +130,7 @@ class GatewayClient:
                 response = self._http.post("/generate", headers={TARGET_HEADER: url},
                                            json={"text": f"dynctl rollout probe {i}",
                                                  "sampling_params": {"max_new_tokens": 1}})
-            except httpx.HTTPError as err:
+            except HttpError as err:
                 raise OperationFailed(f"gateway {self.gateway.url}: a request through it failed: {err}") from None
             if response.status_code != 200:
                 raise OperationFailed(f"gateway {self.gateway.url}: a request through it answered "
