@@ -152,7 +152,7 @@ def test_log_follow_ends_on_the_host_once_the_client_is_gone(ct_host):
 
         def followers():
             return [p for p in psutil.process_iter(["cmdline"])
-                    if (p.info["cmdline"] or [])[:2] == [sys.executable, "-c"]
+                    if (p.info["cmdline"] or [])[:3] == [sys.executable, "-S", "-c"]
                     and str(ct_host["workdir"]) in p.info["cmdline"]]
 
         (agent_proc,) = wait_for(followers, what="the follow agent on the host")
