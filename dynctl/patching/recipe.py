@@ -128,7 +128,7 @@ def recipes(variant: str) -> tuple[FileRecipe, ...]:
     return tuple(
         FileRecipe(path, tuple(_insertion(e, f"variant {variant}, {path}") for e in entry["insert"]),
                    checks=tuple(CHECKS[c] for c in entry.get("checks", ())))
-        for path, entry in files.items()
+        for path, entry in files.items() if entry["insert"]  # an empty list: a base's file this release lacks
     )
 
 

@@ -218,8 +218,10 @@ def import_check(env, version):
     mods = ["sglang.srt.server_args", "sglang.srt.managers.scheduler", "sglang.srt.entrypoints.http_server",
             "sglang.srt.speculative.eagle_worker_v2"]
     tree = env["PYTHONPATH"].split(":")[0]
+    # 0.5.14's dsa_backend imports deep_gemm at the top, and its EAGLE worker never imports it
+    later = tuple(int(x) for x in re.findall(r"\d+", version)[:3]) >= (0, 5, 15)
     for mod in ("sglang.srt.layers.attention.dsa_backend", "sglang.jit_kernel.dsa.cutedsl_paged_mqa_logits"):
-        if os.path.exists(os.path.join(tree, *mod.split(".")) + ".py") and (
+        if later and os.path.exists(os.path.join(tree, *mod.split(".")) + ".py") and (
                 "cutedsl" not in mod or extra_names(version)):
             mods.append(mod)
     if extra_names(version):
