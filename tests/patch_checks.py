@@ -255,6 +255,28 @@ def check_lean_plain_step_schedule_batch(texts: dict[str, str]) -> None:
     stash = ast.unparse(_method(overlap, "stash"))
     assert stash.index("payload.topk_p is None and self._forward_buf_initialized") < stash.index(
         "if not self._forward_buf_initialized:")
+    # a plain step's host lengths (old + 1) ride to the next resolve through the publish of that step alone,
+    # and are taken before the device-to-host copy and its wait, only for the same batch
+    assert "self._spec_disable_host_pending = (batch.req_pool_indices_cpu.clone(), batch.seq_lens_cpu + 1)" in resolve
+    assert resolve.index("decide(batch)") < resolve.index("self._spec_disable_host_pending = ") < resolve.index(
+        "gather_spec_extras(")
+    publish = ast.unparse(_method(overlap, "publish"))
+    assert publish.index("self._spec_disable_host_lens = getattr(self, '_spec_disable_host_pending', None)") < (
+        publish.index("self._spec_disable_host_pending = None")) < publish.index("self.new_seq_lens_buf[indices] = ")
+    seq = ast.unparse(_method(overlap, "resolve_seq_lens_cpu"))
+    assert seq.index("if not self.needs_cpu_seq_lens:") < seq.index(
+        "if host is not None and torch.equal(host[0], batch.req_pool_indices_cpu):") < seq.index(
+        "self.fwd_prepare_d2h_stream.synchronize()")
+    # prepare_for_decode's host kv lengths are pinned before their non-blocking copies to the device
+    if "srt/speculative/eagle_info_v2.py" in texts:
+        prepare = ast.unparse(_method(_class(ast.parse(texts["srt/speculative/eagle_info_v2.py"]),
+                                             "EagleDraftInputV2Mixin"), "prepare_for_decode"))
+    else:
+        prepare = ast.unparse(next(n for n in ast.parse(texts["srt/speculative/eagle_utils.py"]).body
+                                   if isinstance(n, ast.FunctionDef) and n.name == "eagle_prepare_for_decode"))
+    assert prepare.index("nxt_kv_lens_cpu = torch.tensor(") < prepare.index(
+        "cur_kv_lens_cpu, nxt_kv_lens_cpu = (cur_kv_lens_cpu.pin_memory(), nxt_kv_lens_cpu.pin_memory())") < (
+        prepare.index("cur_kv_lens_device = cur_kv_lens_cpu.to(device=batch.device, non_blocking=True)"))
     cls = _class(ast.parse(texts["srt/managers/scheduler.py"]), "Scheduler")
     init = ast.unparse(_method(cls, "__init__"))
     assert init.index("self.init_overlap()") < init.index(

@@ -694,6 +694,9 @@ def test_what_the_schedule_batch_fast_path_uses_exists_in_the_release(version: s
     run_batch = ast.unparse(_function(scheduler, "Scheduler", "run_batch"))
     assert ("'on_publish': partial(self.future_map.publish, future_indices)" in run_batch
             or "fwd_kwargs['on_publish'] = partial(self.future_map.publish, future_indices)" in run_batch)
+    # the step's host lengths are resolved before its inputs (and the plain-step decision)
+    assert run_batch.index("self.future_map.resolve_seq_lens_cpu(batch)") < run_batch.index(
+        "resolve_forward_inputs(batch, self.future_map)")
     if variant == "0.5.14":
         assert "self.future_map.stash(future_indices, stash_payload)" in run_batch
     else:  # from 0.5.15 through a helper that relays every field of next_draft_input
