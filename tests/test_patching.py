@@ -255,13 +255,23 @@ LEAN_VERSIONS = ["0.5.6", "0.5.7", "0.5.8", "0.5.9", "0.5.10", "0.5.11", "0.5.12
 
 @pytest.mark.parametrize("part", ["resolve", "store"])
 def test_the_older_futuremap_pieces_are_0_5_12s_but_for_the_bonus_field(part: str) -> None:
-    """0.5.6-0.5.11's FutureMap insertions differ from 0.5.12's only in what 0.5.12 renamed
-    (verified_id -> bonus_tokens)."""
-    from dynctl.patching.recipe import fragment_text
+    """0.5.6-0.5.11's FutureMap insertions and 0.5.12's are joins of the same pieces but one, a line that
+    names the bonus-token field: what 0.5.12 renamed (verified_id -> bonus_tokens)."""
+    from dynctl.patching.recipe import fragment_text, table
 
+    joins = table()["fragments"]
+    older, newer = joins[f"overlap_utils.{part}-0.5.6"], joins[f"overlap_utils.{part}-0.5.12"]
+    bonus = f"overlap_utils.{part}.bonus-"
+    assert [p for p in older if not p.startswith(bonus)] == [p for p in newer if not p.startswith(bonus)]
+    assert len(older) == len(newer) == 3
+    assert [p for p in older if p.startswith(bonus)] == [f"{bonus}verified_id.pyfrag"]
+    assert [p for p in newer if p.startswith(bonus)] == [f"{bonus}bonus_tokens.pyfrag"]
+    old_line, new_line = fragment_text(f"{bonus}verified_id.pyfrag"), fragment_text(f"{bonus}bonus_tokens.pyfrag")
+    assert old_line.count("\n") == new_line.count("\n") == 1
+    assert "bonus_tokens" not in old_line and old_line.replace("verified_id", "bonus_tokens") == new_line
     ours = fragment_text(f"overlap_utils.{part}-0.5.6")
-    assert "bonus_tokens" not in ours and "verified_id" in ours
-    assert ours.replace("verified_id", "bonus_tokens") == fragment_text(f"overlap_utils.{part}-0.5.12.pyfrag")
+    assert "bonus_tokens" not in ours and ours.replace("verified_id", "bonus_tokens") == fragment_text(
+        f"overlap_utils.{part}-0.5.12")
 
 
 @pytest.mark.parametrize("version", LEAN_VERSIONS)
