@@ -234,6 +234,12 @@ def check_lean_plain_step(texts: dict[str, str], variant: str = "0.5.12") -> Non
     scheduler = ast.unparse(_method(_class(ast.parse(texts["srt/managers/scheduler.py"]), "Scheduler"), "__init__"))
     assert scheduler.index("self.init_overlap()") < scheduler.index(
         "self.future_map._spec_disable_decide = self.draft_worker._spec_disable_decide_early")
+    # the step returns one token per request and says so on its result, which is what the scheduler slices by
+    step = ast.unparse(_method(_class(ast.parse(texts["srt/speculative/eagle_worker_v2.py"]), "EAGLEWorkerV2"),
+                               "_forward_batch_generation_no_spec"))
+    assert "tokens = result.next_token_ids = result.next_token_ids.to(torch.int32)" in step
+    assert "result.speculative_num_draft_tokens = 1" in step
+    assert step.count("result.next_token_ids =") == 1
     if variant in STRIDE_FROM_RESULT_VARIANTS:  # 0.5.12's own scheduler reads the stride from the result
         processor = ast.parse(texts["srt/managers/scheduler_output_processor_mixin.py"])
         resolve_tokens = ast.unparse(_method(_class(processor, "SchedulerOutputProcessorMixin"),
