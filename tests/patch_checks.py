@@ -16,8 +16,7 @@ WORKER_METHODS = {"_skip_speculation", "_init_spec_disable", "_capture_spec_disa
                   "_spec_disable_plain_target", "_spec_disable_one_token_draft",
                   "_forward_batch_generation_no_spec", "_no_spec_draft_extend",
                   "_no_spec_bonus_tokens", "_no_spec_finish_result", "_no_spec_draft_context",
-                  "_no_spec_serves_logprobs", "_spec_disable_threshold", "_spec_disable_keeps_verify",
-                  "_no_spec_result_tokens", "_spec_disable_decide_early"}
+                  "_spec_disable_threshold", "_spec_disable_keeps_verify", "_spec_disable_decide_early"}
 # sglang 0.5.14 on: one fragment, the draft skipped on disabled steps (no one-token draft-extend),
 # and per-release adapter methods.
 WORKER_METHODS_0_5_14 = {"_skip_speculation", "_init_spec_disable", "_capture_spec_disable_graphs",
@@ -32,7 +31,7 @@ WORKER_METHODS_0_5_14 = {"_skip_speculation", "_init_spec_disable", "_capture_sp
 # lengths, one token per request).
 LEAN_PLAIN_STEP_VARIANTS = ("0.5.6", "0.5.7", "0.5.8", "0.5.12")
 # ... of which these also patch the output processor to read one token per request from a plain step's result.
-STRIDE_FROM_RESULT_VARIANTS = ("0.5.8",)
+STRIDE_FROM_RESULT_VARIANTS = ("0.5.6", "0.5.7", "0.5.8")
 # The ScheduleBatch variants whose FutureMap and forward isolation take the lean plain step (0.5.19 on: not
 # yet; their plain step relays the draft state it resolved, as before).
 LEAN_SCHEDULE_BATCH_VARIANTS = ("0.5.14", "0.5.15", "0.5.16", "0.5.17", "0.5.18")
@@ -209,7 +208,7 @@ def undefined_names(tree: ast.Module, cls: ast.ClassDef, methods: set[str]) -> s
 
 def check_lean_plain_step(texts: dict[str, str], variant: str = "0.5.12") -> None:
     """sglang 0.5.6-0.5.12: a plain-decode step resolves and stores only what it reads and its lengths are
-    not copied back from the device; 0.5.8-0.5.11: the scheduler reads one token per request from its result."""
+    not copied back from the device; 0.5.6-0.5.11: the scheduler reads one token per request from its result."""
     bonus = "bonus_tokens" if variant == "0.5.12" else "verified_id"
     overlap = _class(ast.parse(texts["srt/managers/overlap_utils.py"]), "FutureMap")
     resolve = ast.unparse(_method(overlap, "resolve_future"))
@@ -235,6 +234,12 @@ def check_lean_plain_step(texts: dict[str, str], variant: str = "0.5.12") -> Non
     scheduler = ast.unparse(_method(_class(ast.parse(texts["srt/managers/scheduler.py"]), "Scheduler"), "__init__"))
     assert scheduler.index("self.init_overlap()") < scheduler.index(
         "self.future_map._spec_disable_decide = self.draft_worker._spec_disable_decide_early")
+    # the step returns one token per request and says so on its result, which is what the scheduler slices by
+    step = ast.unparse(_method(_class(ast.parse(texts["srt/speculative/eagle_worker_v2.py"]), "EAGLEWorkerV2"),
+                               "_forward_batch_generation_no_spec"))
+    assert "tokens = result.next_token_ids = result.next_token_ids.to(torch.int32)" in step
+    assert "result.speculative_num_draft_tokens = 1" in step
+    assert step.count("result.next_token_ids =") == 1
     if variant in STRIDE_FROM_RESULT_VARIANTS:  # 0.5.12's own scheduler reads the stride from the result
         processor = ast.parse(texts["srt/managers/scheduler_output_processor_mixin.py"])
         resolve_tokens = ast.unparse(_method(_class(processor, "SchedulerOutputProcessorMixin"),

@@ -29,7 +29,7 @@ def test_every_rendered_diff_belongs_to_a_release_of_the_table() -> None:
     assert names == {f"sglang-{v}.diff" for v in releases()}
 
 
-@pytest.mark.parametrize("version", ["0.5.8", "0.5.16"])
+@pytest.mark.parametrize("version", ["0.5.6", "0.5.8", "0.5.16"])
 def test_the_rendered_diff_applies_with_patch_to_the_pristine_wheel(version: str, tmp_path: Path) -> None:
     """A plain unified diff: GNU patch (in the README's install line) applies it to the wheel's files, and
     the result compiles and carries the module dynctl ships."""

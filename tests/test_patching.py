@@ -13,6 +13,7 @@ from patch_checks import LEAN_SCHEDULE_BATCH_VARIANTS, SPEC_FIELDS, check_all, t
 from sglang_trees import sglang_wheel
 
 from dynctl.base.errors import PreflightError, UsageError
+from dynctl.base.sglang import parse_version
 from dynctl.patching import (
     MAX_THRESHOLD,
     SUPPORTED,
@@ -162,11 +163,15 @@ def test_what_the_plain_decode_step_uses_exists_in_the_release(version: str) -> 
 
     # The plain decode writes the first of the D slots prepare_for_decode assigned: req_to_token[req, seq_len].
     assert "self.req_to_token = torch.zeros(" in wheel_text(version, "srt/mem_cache/memory_pool.py")
-    if variant_for(version) == "0.5.12":
-        # logprob steps run plain: the scheduler reads one row of accepted-token logprobs per request
-        assert "accepted_logprobs = next_token_logprobs[i]" in mixin
-        assert "flat_idx = i * max_accept + j" in mixin
-        assert "max_accept = len(accepted_logprobs)" in mixin
+    # logprob steps run plain: from 0.5.10 the scheduler reads one row of accepted-token logprobs per
+    # request; before, it records decode logprobs of non-speculative batches only (test_patch_logprobs)
+    rows = ("accepted_logprobs = next_token_logprobs[i]", "flat_idx = i * max_accept + j",
+            "max_accept = len(accepted_logprobs)")
+    if parse_version(version) >= (0, 5, 10):
+        assert all(row in mixin for row in rows)
+    else:
+        assert not any(row in mixin for row in rows)
+        assert "if req.return_logprob and batch.spec_algorithm.is_none():" in mixin
     fbi = wheel_text(version, "srt/model_executor/forward_batch_info.py")
     assert "ret.positions = clamp_position(batch.seq_lens)" in fbi  # DECODE positions are seq_lens - 1
     # ... from a module-level function that the arming step calls once, to compile it ahead of use
@@ -255,13 +260,23 @@ LEAN_VERSIONS = ["0.5.6", "0.5.7", "0.5.8", "0.5.9", "0.5.10", "0.5.11", "0.5.12
 
 @pytest.mark.parametrize("part", ["resolve", "store"])
 def test_the_older_futuremap_pieces_are_0_5_12s_but_for_the_bonus_field(part: str) -> None:
-    """0.5.6-0.5.11's FutureMap insertions differ from 0.5.12's only in what 0.5.12 renamed
-    (verified_id -> bonus_tokens)."""
-    from dynctl.patching.recipe import fragment_text
+    """0.5.6-0.5.11's FutureMap insertions and 0.5.12's are joins of the same pieces but one, a line that
+    names the bonus-token field: what 0.5.12 renamed (verified_id -> bonus_tokens)."""
+    from dynctl.patching.recipe import fragment_text, table
 
+    joins = table()["fragments"]
+    older, newer = joins[f"overlap_utils.{part}-0.5.6"], joins[f"overlap_utils.{part}-0.5.12"]
+    bonus = f"overlap_utils.{part}.bonus-"
+    assert [p for p in older if not p.startswith(bonus)] == [p for p in newer if not p.startswith(bonus)]
+    assert len(older) == len(newer) == 3
+    assert [p for p in older if p.startswith(bonus)] == [f"{bonus}verified_id.pyfrag"]
+    assert [p for p in newer if p.startswith(bonus)] == [f"{bonus}bonus_tokens.pyfrag"]
+    old_line, new_line = fragment_text(f"{bonus}verified_id.pyfrag"), fragment_text(f"{bonus}bonus_tokens.pyfrag")
+    assert old_line.count("\n") == new_line.count("\n") == 1
+    assert "bonus_tokens" not in old_line and old_line.replace("verified_id", "bonus_tokens") == new_line
     ours = fragment_text(f"overlap_utils.{part}-0.5.6")
-    assert "bonus_tokens" not in ours and "verified_id" in ours
-    assert ours.replace("verified_id", "bonus_tokens") == fragment_text(f"overlap_utils.{part}-0.5.12.pyfrag")
+    assert "bonus_tokens" not in ours and ours.replace("verified_id", "bonus_tokens") == fragment_text(
+        f"overlap_utils.{part}-0.5.12")
 
 
 @pytest.mark.parametrize("version", LEAN_VERSIONS)
@@ -342,7 +357,7 @@ def _req():
     return req
 
 
-@pytest.mark.parametrize("version", ["0.5.8", "0.5.9", "0.5.10", "0.5.11"])
+@pytest.mark.parametrize("version", ["0.5.6", "0.5.7", "0.5.8", "0.5.9", "0.5.10", "0.5.11"])
 def test_the_patched_scheduler_reads_one_token_per_request_after_a_plain_step(version: str) -> None:
     """The release's own token resolution, patched, on a plain step's result (3 requests, D = 4, one token
     each) and on a verify's (D tokens each, accept lengths 2, 1, 3); the pristine code misreads the first."""
@@ -462,13 +477,13 @@ def test_a_missing_target_file_is_refused() -> None:
 def test_strategy_for_supported_versions(version: str, strategy: str) -> None:
     assert strategy_for(version) == strategy
     # 0.5.6-0.5.12 also change the scheduler's FutureMap and prepare_for_decode for the lean plain step,
-    # 0.5.8-0.5.11 the output processor's token stride (0.5.12 reads it from the result), and 0.5.14 on
+    # 0.5.6-0.5.11 the output processor's token stride (0.5.12 reads it from the result), and 0.5.14 on
     # the FutureMap and prepare_for_decode's host lengths (in the variants' file order)
     variant = variant_for(version) if strategy == "patch" else None
     files = ["srt/server_args.py", "srt/managers/scheduler.py", "srt/speculative/eagle_worker_v2.py"]
     if variant in ("0.5.6", "0.5.7", "0.5.8", "0.5.12"):
         files += ["srt/managers/overlap_utils.py", "srt/speculative/eagle_info_v2.py"]
-    if variant == "0.5.8":
+    if variant in ("0.5.6", "0.5.7", "0.5.8"):
         files += ["srt/managers/scheduler_output_processor_mixin.py"]
     elif variant == "0.5.14":
         files[2:2] = ["srt/managers/overlap_utils.py", "srt/speculative/eagle_info_v2.py"]
