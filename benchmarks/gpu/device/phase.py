@@ -539,20 +539,50 @@ def nan_detection(version):
     return [] if is_native(version) else ["--enable-nan-detection"]
 
 
+class StrictDeploy:
+    """`dynctl deploy --threshold N --host strict`, run in the background by pid; `finish()` leaves nothing
+    of it running: a deploy still under way is interrupted (SIGINT, as Ctrl-C: dynctl rolls the host
+    back) and the server it started is stopped with `dynctl stop`."""
+
+    def __init__(self, denv, n):
+        self.denv, self.t, self.out = denv, time.time(), ""
+        self.proc = subprocess.Popen([sys.executable, "-m", "dynctl", "deploy", "--threshold", str(n), "--yes",
+                                      "--host", "strict"], env=denv, text=True, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT)
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self):
+        self.out = self.proc.stdout.read()
+        self.proc.wait()
+        say(f"dynctl deploy --host strict -> rc {self.proc.returncode} in {time.time() - self.t:.1f}s: "
+            + " | ".join(self.out.strip().splitlines()[-6:])[:900])
+
+    def join(self, timeout):
+        """The deploy's exit code once it ended within `timeout` seconds, else None."""
+        self.reader.join(timeout=timeout)
+        return None if self.reader.is_alive() else self.proc.returncode
+
+    def finish(self):
+        if self.proc.poll() is None:
+            say("dynctl deploy of the strict server still running at the phase's end: interrupting it (SIGINT)")
+            self.proc.send_signal(signal.SIGINT)
+            if self.join(60) is None:
+                self.proc.kill()  # dynctl itself, by its pid; what it started is stopped below
+                self.reader.join(timeout=10)
+        dynctl(self.denv, "stop", "--host", "strict", "--yes", timeout=120)
+
+
 def deploy_strict(version, m, n, hosts=None):
-    """`dynctl deploy --threshold N`, in a thread, of a server on a private copy of the pristine tree
+    """`dynctl deploy --threshold N` (a StrictDeploy) of a server on a private copy of the pristine tree
     with strict memory checks and NaN detection (host "strict", port 30004; `hosts` adds more to the
-    config). Returns dynctl's environment, the thread, and the dict its exit code lands in."""
+    config). Returns dynctl's environment and the deploy."""
     denv = dynctl_env(version)
     strict_env = tree_env(version, "pristine", copy_as=f"sglang-{version}-dynctl")
     strict_env["SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY"] = "1"
     write_dynctl_config(version, m, dict(
         {"strict": (30004, strict_env, common_args(m, True, nan_detection(version)))}, **(hosts or {})))
-    deployed = {}
-    deployer = threading.Thread(target=lambda: deployed.update(
-        rc=dynctl(denv, "deploy", "--threshold", str(n), "--yes", "--host", "strict", timeout=500)[0]))
-    deployer.start()
-    return denv, deployer, deployed
+    return denv, StrictDeploy(denv, n)
 
 
 def strict_server():
@@ -576,10 +606,16 @@ def phase_speed(a):
             Server("warm", 30002, envs["patched"], common_args(m, True, thr)),
             Server("skip", 30003, dict(envs["patched"], SGLANG_SPEC_THRESHOLD_DRAFT="skip"),
                    common_args(m, True, thr))]
-    denv, deployer, deployed = deploy_strict(a.version, m, n, {
+    denv, deploy = deploy_strict(a.version, m, n, {
         "warm": (30002, envs["patched"], []), "skip": (30003, envs["patched"], [])})
-    servers = launch_all(plan)
-    deployer.join(timeout=120)  # its graph capture would disturb the first sweep
+    try:
+        _speed(launch_all(plan), denv, deploy, p, p8, n)
+    finally:
+        deploy.finish()
+
+
+def _speed(servers, denv, deploy, p, p8, n):
+    deploy.join(120)  # its graph capture would disturb the first sweep
     for s in servers.values():
         for l in graph_lines(s):
             say(f"{s.name}: {l}")
@@ -608,9 +644,9 @@ def phase_speed(a):
     if "warm" in servers:
         dynctl(denv, "threshold", str(n), "--yes", "--host", "warm")
         measure("warm", None, f"warm-t{n}")
-    deployer.join(timeout=max(1, left() - 100))
-    say(f"dynctl deploy of the strict server: rc {deployed.get('rc')}")
-    if deployed.get("rc") == 0 and left() > 45:
+    rc = deploy.join(max(1, left() - 100))
+    say(f"dynctl deploy of the strict server: rc {rc}")
+    if rc == 0 and left() > 45:
         strict = strict_server()
         dynctl(denv, "status", "--host", "strict")
         soak(strict, denv, n, flips=int(os.environ.get("FLIPS", "1000")))
@@ -699,7 +735,14 @@ def phase_check(a):
     envs, m = setup(a.version, ["pristine", "patched"])
     p, p8 = prompts_files()
     n = a.threshold
-    denv, deployer, deployed = deploy_strict(a.version, m, n)
+    denv, deploy = deploy_strict(a.version, m, n)
+    try:
+        _check(a, envs, m, denv, deploy, p, p8, n)
+    finally:
+        deploy.finish()
+
+
+def _check(a, envs, m, denv, deploy, p, p8, n):
     plan = [Server(f"{a.version}-nospec", 30010, envs["pristine"], common_args(m, False)),
             Server(f"{a.version}-warm", 30011,
                    dict(envs["patched"], SGLANG_SPEC_THRESHOLD_DRAFT=os.environ.get("CHECK_DRAFT", "extend")),
@@ -719,10 +762,10 @@ def phase_check(a):
         outs.append((p, gen(s, "check-flip-c8", p, concurrency=8, flip_threshold="0,-1", flip_every=0.3)))
         say(f"transition lines {len(s.grep(r'Speculation (disabled|enabled)'))}; decode: "
             + " | ".join(decode_lines(s, 3)))
-    deployer.join(timeout=max(1, left() - 200))
-    say(f"dynctl deploy of the strict server: rc {deployed.get('rc')}")
+    rc = deploy.join(max(1, left() - 200))
+    say(f"dynctl deploy of the strict server: rc {rc}")
     strict = None
-    if deployed.get("rc") == 0:
+    if rc == 0:
         strict = strict_server()
         for l in graph_lines(strict):
             say(f"strict: {l}")
@@ -742,8 +785,6 @@ def phase_check(a):
                "--concurrency", os.environ.get("BENCH_LEVELS", "1,4,16,64"), "--input-len", "64",
                "--output-len", "128", "--duration", os.environ.get("BENCH_SECONDS", "4"), "--json", bench,
                timeout=max(30, int(left() - 20)))
-    if strict is not None:
-        dynctl(denv, "stop", "--host", "strict", "--yes")
 
 
 def first_disabled_step(s):
