@@ -195,13 +195,14 @@ def op_deploy(ctx, oplog, files, sglang_version, strategy, threshold, launch_arg
     loc = servers.locate(ctx)
     taking = servers.preflight(ctx, loc, "deploy", adopt)
     releases.require_records(ctx)
-    package_dir = None
+    package_dir = import_checked = None
     if go_within is not None:
         go_within = seconds("go_within", go_within)
-        with oplog.step("prepare", "validate %d file(s) with %s; nothing changes before the go"
-                        % (len(files), ctx.python)):
-            ready_made = patch.prepare_release(ctx, files, sglang_version, artifacts)
+        with oplog.step("prepare", "validate %d file(s) with %s and check that sglang starts with them; nothing "
+                        "changes before the go" % (len(files), ctx.python)):
+            ready_made = patch.prepare_release(ctx, files, sglang_version, artifacts, strategy)
         package_dir, staged = ready_made["package_dir"], ready_made["staged"] or staged
+        import_checked = ready_made["import_check"]
         prepared.await_go(ctx, oplog, go_within, "deploy of threshold %s" % threshold)
         seen = loc["server"] or taking
         if seen is not None and not procfs.same(seen["pid"], seen["start"]):  # it ended while we waited
@@ -217,7 +218,7 @@ def op_deploy(ctx, oplog, files, sglang_version, strategy, threshold, launch_arg
         applied = patch.apply_release(ctx, files, sglang_version, strategy=strategy, threshold=threshold,
                                       launch_argv=launch_argv, artifacts=artifacts,
                                       effective_threshold=effective_threshold, staged=staged,
-                                      package_dir=package_dir)
+                                      package_dir=package_dir, import_checked=import_checked)
     release = applied["release"]
     try:
         argv = applied["manifest"]["launch_argv"]
