@@ -49,12 +49,19 @@ from sshd_harness import free_port, start_fake_host, toml_value  # noqa: E402
 
 
 class HostSteps:
-    """StepDone events of the rollout, summed per host (the rollout prefixes each detail with its host)."""
+    """StepDone events of the rollout, summed per host (the rollout prefixes each detail with its host), and
+    every event but the servers' log lines on one clock (the report's `timeline`)."""
 
     def __init__(self) -> None:
         self.steps: dict[str, dict[str, float]] = {}
+        self.t0 = time.perf_counter()
+        self.timeline: list[str] = []
 
     def __call__(self, event: object) -> None:
+        if not isinstance(event, events.LogLine):  # the servers' logs are theirs, not the rollout's steps
+            text = getattr(event, "detail", None) or getattr(event, "text", "")
+            self.timeline.append(f"{time.perf_counter() - self.t0:8.3f} {type(event).__name__} "
+                                 f"{getattr(event, 'step', '')} {text[:100]}")
         if isinstance(event, events.StepDone) and ": " in event.detail:
             host = event.detail.split(": ", 1)[0]
             per = self.steps.setdefault(host, {})
@@ -259,17 +266,17 @@ def main() -> None:
         rows = []
         for r in results:
             steps = clock.steps.get(r.host, {})
-            own = r.drain_s + steps.get("stop", 0) + steps.get("start", 0) + steps.get("health", 0)
+            own = r.drain_s + steps.get("stop", 0) + steps.get("start", 0) + steps.get("ready", 0)
             rows.append({"host": r.host, "outcome": r.outcome, "elapsed_s": r.elapsed_s, "drain_s": r.drain_s,
-                         "stop_s": steps.get("stop", 0), "start_ready_s": steps.get("start", 0) + steps.get("health", 0),
+                         "stop_s": steps.get("stop", 0), "start_ready_s": steps.get("start", 0) + steps.get("ready", 0),
                          "own_s": own, "overhead_s": r.elapsed_s - own,
                          "host_op_own_s": r.operation_s - steps.get("stop", 0) - steps.get("start", 0)
-                         - steps.get("health", 0), "register_s": r.register_s})
+                         - steps.get("ready", 0), "register_s": r.register_s})
         report.update(rollout_total_s=total, rollout_sum_own_s=sum(r["own_s"] for r in rows),
                       rollout_overhead_per_host_median_s=statistics.median(r["overhead_s"] for r in rows),
                       rollout_overhead_per_host_max_s=max(r["overhead_s"] for r in rows),
                       rollout_state=record.state, requests_completed=load.done, requests_failed=len(load.failures),
-                      requests_cut=len(load.cut), hosts=rows)
+                      requests_cut=len(load.cut), hosts=rows, timeline=clock.timeline, steps=clock.steps)
     finally:
         if smg is not None:
             smg.terminate()
@@ -292,7 +299,7 @@ def _print(report: dict, args: argparse.Namespace) -> None:
         print(f"{r['host']:<5}{r['outcome']:<10} total {r['elapsed_s']:6.2f}  drain {r['drain_s']:5.2f}  stop "
               f"{r['stop_s']:5.2f}  start→ready {r['start_ready_s']:5.2f}  overhead {r['overhead_s']:5.2f} s (host "
               f"operation's own {r['host_op_own_s']:4.2f}, re-register+ready+probe {r['register_s']:4.2f})")
-    print(json.dumps({k: v for k, v in report.items() if k != "hosts"}, indent=1))
+    print(json.dumps({k: v for k, v in report.items() if k not in ("hosts", "timeline", "steps")}, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
 

@@ -57,8 +57,9 @@ class AgentError(DynctlError):
         super().__init__(message)
         self.kind = kind
         self.answer = answer
-        # "down": the server an operation needs is not running; nothing was changed, so exit 3 too.
-        self.exit_code = {"preflight": 3, "busy": 3, "down": 3, "usage": 2, "protocol": 2}.get(kind, 1)
+        # "down": the server an operation needs is not running; "cancelled": an operation that never started;
+        # nothing was changed, so exit 3 too.
+        self.exit_code = {"preflight": 3, "busy": 3, "down": 3, "cancelled": 3, "usage": 2, "protocol": 2}.get(kind, 1)
 
 
 def open_agent(host: HostConfig, config: Config | None = None, timeout: float = CALL_TIMEOUT) -> AgentClient:

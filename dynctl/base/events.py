@@ -158,7 +158,7 @@ class OperationEvents:
             return self._done(record["step"], record.get("seconds") or 0.0, record.get("result"))
         if kind == "log":
             return [LogLine(record.get("text", ""))]
-        if kind == "info":
+        if kind in ("info", "prepared"):
             return [Note(record.get("text", ""))]
         if kind == "warning":
             return [Warning(record.get("text", ""))]

@@ -206,22 +206,29 @@ def deploy_threshold(agent: AgentClient, host: HostConfig, threshold: Any, on_ev
     return DeployOutcome(plan, deploy(agent, plan, on_event, grace=grace, ready_timeout=ready_timeout, soak=soak))
 
 
-def stage(agent: AgentClient, dplan: DeployPlan) -> str | None:
-    """Validate the plan's candidates on the host ahead of the deploy (py_compile with the server's interpreter,
-    in the workdir; nothing else is touched): the key the deploy's `staged` takes, or None when there is
-    nothing to stage or the staging did not validate (the deploy then validates, and refuses, itself)."""
-    if not dplan.files:
-        return None
-    return agent.call("deploy_stage", files=dplan.files, sglang_version=dplan.sglang_version).get("staged")
-
-
 def deploy(agent: AgentClient, dplan: DeployPlan, on_event: events.EventSink = events.ignore,
            grace: float = 60.0, ready_timeout: float = 900.0, soak: float = DEFAULT_SOAK_S,
            staged: str | None = None) -> dict[str, Any]:
     """Run a plan on the host as one operation: validate, back up, switch, restart, verify, soak.
 
-    staged: what `stage` answered for this plan; its validation stands in for the deploy's own py_compile
-    while the host's record of it still matches the files and the interpreter."""
+    staged: what the host's `deploy_stage` answered for this plan; its validation stands in for the deploy's
+    own py_compile while the host's record of it still matches the files and the interpreter."""
+    params = _deploy_params(dplan, grace, ready_timeout, soak)
+    if staged:
+        params["staged"] = staged
+    return operations.execute(agent, "deploy", params, on_event)
+
+
+def prepare(agent: AgentClient, dplan: DeployPlan, go_within: float, on_event: events.EventSink = events.ignore,
+            grace: float = 60.0, ready_timeout: float = 900.0, soak: float = DEFAULT_SOAK_S) -> operations.Prepared:
+    """Start the plan's deploy prepared: the host checks and validates it now, changing nothing, and switches
+    only on the handle's `go()` (then the deploy runs as `deploy` does); without a go within `go_within`
+    seconds, or after `cancel()`, it ends not started."""
+    return operations.Prepared(agent, "deploy", _deploy_params(dplan, grace, ready_timeout, soak), go_within,
+                               on_event)
+
+
+def _deploy_params(dplan: DeployPlan, grace: float, ready_timeout: float, soak: float) -> dict[str, Any]:
     params = {
         "files": dplan.files, "sglang_version": dplan.sglang_version, "strategy": dplan.strategy,
         "threshold": dplan.threshold, "launch_argv": dplan.launch_argv, "baseline_argv": dplan.baseline_argv,
@@ -230,9 +237,7 @@ def deploy(agent: AgentClient, dplan: DeployPlan, on_event: events.EventSink = e
     }
     if dplan.adopt is not None:
         params["adopt"] = dplan.adopt
-    if staged:
-        params["staged"] = staged
-    return operations.execute(agent, "deploy", params, on_event)
+    return params
 
 
 def rollback(agent: AgentClient, host: HostConfig, to: str | None = None,
@@ -286,4 +291,4 @@ def list_releases(agent: AgentClient) -> list[dict[str, Any]]:
 
 
 __all__ = ["DeployOutcome", "DeployPlan", "deploy", "deploy_threshold", "list_releases", "plan_deploy", "plan_patch",
-           "rollback", "set_threshold", "stage"]
+           "prepare", "rollback", "set_threshold"]

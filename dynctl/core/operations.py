@@ -9,6 +9,7 @@ connection does, the client reports what the host did.
 from __future__ import annotations
 
 import datetime as dt
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -30,6 +31,7 @@ Record = dict[str, Any]  # one of the agent's operation records; `dynctl.base.ev
 Failure = Callable[[Record, str], DynctlError]
 LATEST = "latest"
 RECONNECT_FOR_S = 60.0
+WORD_HEARD_S = 5.0  # a prepared worker ends within this once the word is said (it looks every 10 ms)
 
 
 def recent(agent: AgentClient, limit: int = 20) -> list[Record]:
@@ -96,6 +98,73 @@ def execute(agent: AgentClient, kind: str, params: dict[str, Any], on_event: eve
         return conclude(agent, kind, run(agent, kind, params, op_id), on_event, failure)
     except KeyboardInterrupt:
         raise interrupted(agent, kind, op_id) from None
+
+
+class Prepared:
+    """A host operation started prepared: its worker checks and validates, changes nothing, and waits up to
+    `go_within` seconds for `go()`; `cancel()`, or no word in that time, ends it not started. Its events are
+    relayed from a thread of its own meanwhile, so the caller can do something else (a gateway's drain)."""
+
+    def __init__(self, agent: AgentClient, kind: str, params: dict[str, Any], go_within: float,
+                 on_event: events.EventSink = events.ignore):
+        self.agent, self.kind, self.on_event = agent, kind, on_event
+        self.op_id = new_op_id(kind)
+        self.params = dict(params, go_within=go_within)
+        self.cue = threading.Event()  # the worker is prepared, or the operation has ended
+        self.ended = threading.Event()
+        self.result: dict[str, Any] | None = None
+        self.error: BaseException | None = None
+        self.said_go = False
+        self.thread = threading.Thread(target=self._follow, daemon=True, name=f"prepared-{agent.host.name}")
+        self.thread.start()
+
+    def _records(self) -> Iterator[Record]:
+        for record in run(self.agent, self.kind, self.params, self.op_id):
+            if record.get("type") == "prepared":
+                self.cue.set()
+            yield record
+
+    def _follow(self) -> None:
+        try:
+            self.result = conclude(self.agent, self.kind, self._records(), self.on_event)
+        except BaseException as err:  # noqa: BLE001 - handed to the caller of go()
+            self.error = err
+        finally:
+            self.cue.set()
+            self.ended.set()
+
+    def go(self) -> dict[str, Any]:
+        """Say go once the worker is prepared, then follow the operation to its end: its final record, or its
+        error (a prepare that refused, or a go that came after the deadline: nothing was changed, exit 3)."""
+        try:
+            self.cue.wait()
+            if not self.ended.is_set():
+                try:
+                    self.agent.call_through_drop("op_go", self.kind, op_id=self.op_id)
+                    self.said_go = True
+                except DynctlError:
+                    if not self.ended.wait(WORD_HEARD_S):  # the worker's own final word says why
+                        raise
+            self.ended.wait()
+        except KeyboardInterrupt:
+            raise interrupted(self.agent, self.kind, self.op_id) from None
+        if self.error is not None:
+            raise self.error
+        assert self.result is not None
+        return self.result
+
+    def cancel(self, wait: float = 15.0) -> None:
+        """Take the operation back before its go; it ends at once, having changed nothing. Best effort: a host
+        that does not answer ends it by its deadline."""
+        old = self.agent.timeout
+        self.agent.timeout = min(old, wait)
+        try:
+            self.agent.call("op_cancel", op_id=self.op_id, kind=self.kind)
+        except DynctlError:
+            return
+        finally:
+            self.agent.timeout = old
+        self.ended.wait(wait)
 
 
 def error_for(final: Record, message: str) -> DynctlError:

@@ -2,13 +2,16 @@
 
 Per host: set the worker's drain time, remove it from every gateway, wait until no gateway lists it and
 the server has no request left, run the host's own deploy (or rollback) as one host operation, register it
-again, wait until the gateway says ready, send one request through the gateway, move on. Every step is
+again, wait until the gateway says ready, send one request through the gateway, move on. A deploy is started
+on the host prepared while the gateways drain it (checked and validated, nothing changed) and told to go once
+the drain is over, so starting it costs the host no time out of its gateways. Every step is
 written to a record on the client before it is taken, so a rollout cut short (Ctrl-C, SIGKILL, a lost
 link) resumes where it was: the host in the middle first, and no host is left out of its gateway.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import os
@@ -32,6 +35,7 @@ from dynctl.core.lifecycle import Confirm, proceed
 
 DEFAULT_DRAIN_S = 30.0  # the longest request a gateway is given to finish before its worker is removed
 REGISTER_TIMEOUT_S = 120.0
+GO_SLACK_S = 30.0  # a prepared host deploy waits this much longer than its drains may take for its go
 _save_lock = threading.Lock()
 MIDDLE = ("draining", "running", "registering")  # a host's states between leaving its gateway and coming back
 
@@ -193,14 +197,22 @@ class RollingOperation:
             return err
 
     def _finish_cut_short(self, agent: AgentClient, name: str) -> None:
-        """The host operation a killed rollout left running goes on on the host: follow it to its end first."""
+        """The host operation a killed rollout left running goes on on the host: follow it to its end first; one
+        it left prepared, waiting for a go that will not come, is taken back (it changed nothing)."""
         holder = agent.call("op_current")["holder"]
         if not holder:
             return
         sink = _prefixed(name, self.on_event)
+        op_id = holder.get("op") or operations.LATEST
+        if holder.get("op") and not agent.call("op_cancel", op_id=op_id)["go"]:
+            sink(events.Note(f"the {holder.get('operation')} that a cut-short rollout prepared never had its go: "
+                             "taken back, nothing was changed"))
+            with contextlib.suppress(DynctlError):  # its final word: not started
+                operations.conclude(agent, "operation", operations.follow(agent, op_id))
+            return
         sink(events.Note(f"the {holder.get('operation')} that a cut-short rollout started still runs: following it"))
         try:
-            operations.conclude(agent, "operation", operations.follow(agent), sink)
+            operations.conclude(agent, "operation", operations.follow(agent, op_id), sink)
         except DynctlError as err:
             sink(events.Warning(f"it ended without success ({err}); the host is planned again"))
 
@@ -300,15 +312,20 @@ class RollingOperation:
         try:
             record.mark(host.name, "draining")
             t = time.monotonic()
-            staging = self._stage(p, sink) if operate and clients else None
-            for client in clients:
-                self._drain(client, url, p, sink)
+            prepared = self._prepare(p, sink, len(clients)) if operate and clients else None
+            try:
+                for client in clients:
+                    self._drain(client, url, p, sink)
+            except BaseException:
+                if prepared is not None:
+                    prepared.cancel()
+                raise
             result.drain_s = time.monotonic() - t
             record.mark(host.name, "running")
             t = time.monotonic()
             if operate:
                 try:
-                    outcome = self._operate(p, sink, staging.result() if staging else None)
+                    outcome = self._operate(p, sink, prepared)
                     result.outcome = outcome
                 except DynctlError as err:
                     ok = False
@@ -357,17 +374,23 @@ class RollingOperation:
                 return
             time.sleep(0.05)  # a sample is itself a round trip
 
-    def _stage(self, p: HostPlan, sink: events.EventSink) -> "_Staging | None":
-        """The deploy's validation on the host while the gateway drains it (nothing there changes)."""
-        if self.action != "deploy" or p.plan is None or not p.plan.files:
+    def _prepare(self, p: HostPlan, sink: events.EventSink, gateways: int) -> operations.Prepared | None:
+        """The host's deploy, started while the gateways drain it: checked and validated there, changing nothing
+        until the go after the drain (and ending by itself, not started, if that go never comes)."""
+        if self.action != "deploy" or p.plan is None:
             return None
-        return _Staging(p, sink)
+        # the longest the drains may take (each: the gateway's settle time, then the server's own requests)
+        go_within = gateways * (2 * self.drain + 30) + GO_SLACK_S
+        return core.prepare(p.agent, p.plan, go_within, sink, grace=self.grace, ready_timeout=self.ready_timeout,
+                            soak=self.soak)
 
-    def _operate(self, p: HostPlan, sink: events.EventSink, staged: str | None = None) -> str:
+    def _operate(self, p: HostPlan, sink: events.EventSink, prepared: operations.Prepared | None = None) -> str:
+        if prepared is not None:
+            prepared.go()
+            return "deployed"
         if self.action == "deploy":
             assert p.plan is not None
-            core.deploy(p.agent, p.plan, sink, grace=self.grace, ready_timeout=self.ready_timeout, soak=self.soak,
-                        staged=staged)
+            core.deploy(p.agent, p.plan, sink, grace=self.grace, ready_timeout=self.ready_timeout, soak=self.soak)
             return "deployed"
         core.rollback(p.agent, p.member.host, self.target, sink, grace=self.grace, ready_timeout=self.ready_timeout,
                       soak=self.soak)
@@ -386,34 +409,6 @@ class RollingOperation:
     def close(self) -> None:
         for client in self.gateways.values():
             client.close()
-
-
-class _Staging:
-    """core.stage in a thread of its own; `result()` waits for it: the key, or None (the deploy then validates
-    itself, and a validation that fails is reported by the deploy, which refuses before its switch)."""
-
-    def __init__(self, p: HostPlan, sink: events.EventSink):
-        self.p, self.sink = p, sink
-        self.key: str | None = None
-        self.thread = threading.Thread(target=self._run, daemon=True, name=f"stage-{p.member.host.name}")
-        self.started = time.monotonic()
-        self.elapsed = 0.0
-        self.thread.start()
-
-    def _run(self) -> None:
-        assert self.p.plan is not None
-        try:
-            self.key = core.stage(self.p.agent, self.p.plan)
-        except DynctlError as err:
-            self.sink(events.Note(f"validating ahead of the switch did not run ({err}); the deploy validates itself"))
-        self.elapsed = time.monotonic() - self.started
-
-    def result(self) -> str | None:
-        self.thread.join()
-        if self.key:
-            self.sink(events.StepDone("stage", self.elapsed, "candidates validated with the server's interpreter "
-                                                             "during the drain"))
-        return self.key
 
 
 def exit_code(results: list[HostResult], state: str = "done") -> int:

@@ -19,7 +19,9 @@ import time
 import traceback
 
 from dynctl.base import sglang
-from dynctl_agent import launchconfig, lock, patch, procfs, releases, serverinfo, servers, shutdown, startup, store
+from dynctl_agent import (
+    launchconfig, lock, patch, prepared, procfs, releases, serverinfo, servers, shutdown, startup, store,
+)
 from dynctl_agent.protocol import AgentError, seconds
 
 STATE_FILE = serverinfo.STATE_FILE
@@ -186,11 +188,26 @@ def _stop(ctx, grace, taking):
 
 def op_deploy(ctx, oplog, files, sglang_version, strategy, threshold, launch_argv, baseline_argv,
               artifacts=None, grace=60, ready_timeout=900, soak=DEFAULT_SOAK_S, effective_threshold=None, adopt=None,
-              staged=None):
+              staged=None, go_within=None):
+    """go_within: prepare (every check and the validation, nothing changed), then wait up to that many seconds
+    for the client's go (prepared.py) before the switch; without a go the deploy ends not started."""
     grace, ready_timeout, soak = seconds("grace", grace), seconds("ready_timeout", ready_timeout), seconds("soak", soak)
     loc = servers.locate(ctx)
     taking = servers.preflight(ctx, loc, "deploy", adopt)
     releases.require_records(ctx)
+    package_dir = import_checked = None
+    if go_within is not None:
+        go_within = seconds("go_within", go_within)
+        with oplog.step("prepare", "validate %d file(s) with %s and check that sglang starts with them; nothing "
+                        "changes before the go" % (len(files), ctx.python)):
+            ready_made = patch.prepare_release(ctx, files, sglang_version, artifacts, strategy)
+        package_dir, staged = ready_made["package_dir"], ready_made["staged"] or staged
+        import_checked = ready_made["import_check"]
+        prepared.await_go(ctx, oplog, go_within, "deploy of threshold %s" % threshold)
+        seen = loc["server"] or taking
+        if seen is not None and not procfs.same(seen["pid"], seen["start"]):  # it ended while we waited
+            loc = servers.locate(ctx)
+            taking = servers.preflight(ctx, loc, "deploy", adopt)
     _recover(ctx, oplog)
     previous, previous_argv = _previous_argv(ctx, baseline_argv)
     previous_launch = None
@@ -200,7 +217,8 @@ def op_deploy(ctx, oplog, files, sglang_version, strategy, threshold, launch_arg
     with oplog.step("switch", "validate with %s, back up, swap %d file(s)" % (ctx.python, len(files))):
         applied = patch.apply_release(ctx, files, sglang_version, strategy=strategy, threshold=threshold,
                                       launch_argv=launch_argv, artifacts=artifacts,
-                                      effective_threshold=effective_threshold, staged=staged)
+                                      effective_threshold=effective_threshold, staged=staged,
+                                      package_dir=package_dir, import_checked=import_checked)
     release = applied["release"]
     try:
         argv = applied["manifest"]["launch_argv"]

@@ -18,6 +18,8 @@ up before the host had the request). A follower that finds no worker and no fina
                              when the event log cannot take it (a full disk); removed once the log took it
   workdir/ops/<id>.reserve   ROLLBACK_ROOM bytes held while the worker runs and given back to the disk when
                              a transaction has to be undone, so the rollback's records fit on a full disk
+  workdir/ops/<id>.go        the word a prepared operation waits for (go or not, and who said it), created
+                             once: the client's go, its cancel and the worker's own deadline race for it
 
 The newest keep_history records are kept (op_start prunes older ones; never the running one).
 Each event log is bounded: past EVENTS_CAP bytes its log lines are counted, not written.
@@ -43,11 +45,11 @@ ROOM = 1 << 20  # free bytes an operation wants in workdir on top of its request
 # the temp files store.write_json_atomic and releases.update_current leave when killed: these names only, never
 # a file of the operator's that merely ends in .tmp.<pid>
 TMP_NAMES = {"": re.compile(r"^(?:server\.json|state\.json|lock|current)\.tmp\.(\d+)\Z"),
-             "ops": re.compile(r"^\d{8}T\d{6}-[a-z]+-[0-9a-f]{6,32}\.json\.tmp\.(\d+)\Z")}
+             "ops": re.compile(r"^\d{8}T\d{6}-[a-z]+-[0-9a-f]{6,32}\.(?:json|go)\.tmp\.(\d+)\Z")}
 EVENTS_CAP = 8 << 20  # a start that logs for 15 minutes must not fill the disk with its echo
 FINAL_ROOM = 64 << 10  # the final word with its log tail fits in this
 ROLLBACK_ROOM = 256 << 10  # a release's manifest and `current`, a pidfile and the start of a server log
-RECORD_EXTS = (".json", ".jsonl", ".log", ".final", ".reserve")
+RECORD_EXTS = (".json", ".jsonl", ".log", ".final", ".reserve", ".go")
 
 
 def append(path, record):

@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import stat
+import tempfile
 
 from dynctl_agent import hostinfo, lock, releases, sgltree, store
 from dynctl_agent.protocol import AgentError
@@ -45,7 +46,8 @@ def patch_read(ctx, files=()):
 
 
 def apply_release(ctx, files, sglang_version, strategy="patch", threshold=None, launch_argv=None,
-                  artifacts=None, import_check_timeout=300.0, effective_threshold=None, staged=None):
+                  artifacts=None, import_check_timeout=300.0, effective_threshold=None, staged=None,
+                  package_dir=None, import_checked=None):
     """Swap in new file texts as one transaction and record a release (caller holds the host lock).
 
     files: [{path, sha256_before, sha256_after, text}] (paths relative to the sglang package).
@@ -56,9 +58,11 @@ def apply_release(ctx, files, sglang_version, strategy="patch", threshold=None, 
 
     staged: the key stage_release answered for these files; when its record still matches (the same texts,
     the same interpreter), their py_compile was done there and is not run again. The record is removed.
+    package_dir, import_checked: what prepare_release found and checked for these files (the sglang package
+    is not looked up again, the import check not run again).
     """
     try:
-        package_dir = _preflight(ctx, sglang_version, artifacts)
+        package_dir = _preflight(ctx, sglang_version, artifacts, package_dir)
         entries = _entries(package_dir, files)
         releases.journal(ctx, "patch.apply.begin", sglang_version=sglang_version, strategy=strategy,
                          threshold=threshold, files=[e["path"] for e in entries])
@@ -71,7 +75,11 @@ def apply_release(ctx, files, sglang_version, strategy="patch", threshold=None, 
             drop_staged(ctx)
     manifest = apply.back_up(sglang_version, strategy, threshold, effective_threshold, launch_argv, artifacts)
     apply.swap()
-    check = apply.import_check(strategy, import_check_timeout)
+    if import_checked is not None and strategy == "patch":
+        check = import_checked
+        releases.journal(ctx, "patch.import_check", release=apply.release_id, ahead=True, **check)
+    else:
+        check = apply.import_check(strategy, import_check_timeout)
     current = apply.record(manifest, check)
     with contextlib.suppress(OSError):
         releases.prune(ctx)
@@ -126,7 +134,57 @@ def stage_release(ctx, files, sglang_version):
     record naming the validated texts and interpreter (reused by a deploy of the same files, a re-run's
     included, and removed by it). Answers {"staged": key} or {"staged": None, "errors": [...]}."""
     package_dir = _preflight(ctx, sglang_version, None)
+    return _stage(ctx, _entries(package_dir, files))
+
+
+def prepare_release(ctx, files, sglang_version, artifacts=None, strategy="patch", import_check_timeout=300.0):
+    """What apply_release checks and validates before its first change, done ahead of it (a prepared deploy):
+    the installed sglang, the targets as the plan saw them, py_compile of the texts (staged as stage_release
+    does) and, for the patch strategy, the import check as it would go with the texts swapped in
+    (sgltree.import_check_candidates). Changes nothing; a text that does not compile, or a patched sglang
+    that would not start, is refused here, named. Returns {"package_dir", "staged", "import_check"} for
+    apply_release."""
+    package_dir = _installed_package(ctx, sglang_version)
+    for name in artifacts or {}:
+        _check_artifact(name)
     entries = _entries(package_dir, files)
+    staged = _stage(ctx, entries)
+    bad = [e for e in staged.get("errors") or [] if isinstance(e, dict)]
+    if bad:
+        first = bad[0]
+        raise AgentError("candidate for %s does not compile with %s: line %s: %s: %s%s; nothing was changed"
+                         % (first["target"], ctx.python, first["lineno"], first["type"], first["msg"],
+                            " (%s)" % first["line"] if first["line"] else ""), "preflight", compile_errors=bad)
+    if staged.get("errors"):
+        raise AgentError("py_compile with %s failed: %s; nothing was changed" % (ctx.python, staged["errors"][0]),
+                         "preflight")
+    check = _import_check_ahead(ctx, package_dir, entries, float(import_check_timeout)) if strategy == "patch" \
+        else None
+    if check is not None:
+        releases.journal(ctx, "patch.import_check.ahead", **check)
+    if check is not None and check["ran"] and not check["ok"]:
+        raise AgentError("the patched sglang would not start: %s; nothing was changed" % check["detail"], "preflight")
+    return {"package_dir": package_dir, "staged": staged["staged"], "import_check": check}
+
+
+def _import_check_ahead(ctx, package_dir, entries, timeout):
+    """The import check of the candidates, from a folder of the workdir (the tree is not touched)."""
+    if not entries:
+        return None
+    os.makedirs(ctx.path(STAGED), mode=0o700, exist_ok=True)
+    folder = tempfile.mkdtemp(prefix="import-", dir=ctx.path(STAGED))
+    try:
+        pairs = []
+        for i, e in enumerate(entries):
+            name = os.path.join(folder, "%d-%s" % (i, os.path.basename(e["target"])))
+            store.write_bytes(name, e["data"], 0o600)
+            pairs.append([name, e["target"]])
+        return sgltree.import_check_candidates(ctx, package_dir, pairs, timeout)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _stage(ctx, entries):
     key = _staged_key(ctx, entries)
     if key is None or not entries:
         return {"staged": None, "errors": []}
@@ -157,12 +215,25 @@ def stage_release(ctx, files, sglang_version):
     return {"staged": key, "reused": False}
 
 
-def _preflight(ctx, sglang_version, artifacts):
-    """The sglang package directory, once the host is as the plan saw it and no release was left half done."""
+def _installed_package(ctx, sglang_version):
+    """The sglang package directory, once the installed version is the one the plan was made for."""
     found = sgltree.installed(ctx)
     if found["sglang"]["version"] != sglang_version:
         raise AgentError("sglang here is %s, but the plan was made for %s; plan again"
                          % (found["sglang"]["version"], sglang_version), "preflight")
+    return found["sglang"]["package_dir"]
+
+
+def _check_artifact(name):
+    if not releases.ARTIFACT.match(name) or name in ("manifest.json", "orig"):
+        raise AgentError("bad release artifact name %r" % (name,), "usage")
+
+
+def _preflight(ctx, sglang_version, artifacts, package_dir=None):
+    """The sglang package directory (looked up unless given), once the host is as the plan saw it and no
+    release was left half done."""
+    if package_dir is None:
+        package_dir = _installed_package(ctx, sglang_version)
     ctx.ensure_workdir()
     os.makedirs(releases.root(ctx), mode=0o700, exist_ok=True)
     releases.require_records(ctx)
@@ -170,9 +241,8 @@ def _preflight(ctx, sglang_version, artifacts):
     if incomplete:
         raise AgentError(releases.interrupted_message(incomplete[0]), "preflight")
     for name in artifacts or {}:
-        if not releases.ARTIFACT.match(name) or name in ("manifest.json", "orig"):
-            raise AgentError("bad release artifact name %r" % (name,), "usage")
-    return found["sglang"]["package_dir"]
+        _check_artifact(name)
+    return package_dir
 
 
 def _entries(package_dir, files):

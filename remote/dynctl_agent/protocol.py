@@ -121,7 +121,7 @@ def _who(uid):
 # The waits a request may ask for, in seconds (the client's --grace, --ready-timeout and --soak have the same
 # bounds): a value beyond them, inf or NaN would hold the host lock without end.
 LIMITS = {"grace": (0.0, 3600.0), "ready_timeout": (1.0, 7200.0), "soak": (0.0, 3600.0),
-          "port_timeout": (0.0, 3600.0), "gpu_timeout": (0.0, 3600.0)}
+          "port_timeout": (0.0, 3600.0), "gpu_timeout": (0.0, 3600.0), "go_within": (0.1, 3600.0)}
 
 
 def seconds(name, value):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import re
 import subprocess
@@ -82,9 +83,25 @@ def import_check(ctx, swapped, timeout):
     Returns {"ran": bool, "ok": bool, "detail": str}; ran=False when sglang's dependencies are not
     importable here (a host without torch, say), which says nothing about the patch.
     """
+    return _judged([ctx.python, "-m", sglang.LAUNCH_MODULE, "--help"], ctx, swapped, timeout)
+
+
+def import_check_candidates(ctx, package_dir, pairs, timeout):
+    """import_check as it would go once the candidates are swapped in, with the tree untouched (the
+    import_candidates program): pairs are [candidate, target] inside `package_dir`."""
+    root = os.path.dirname(package_dir)
+    modules = {}
+    for candidate, target in pairs:
+        name = os.path.relpath(target, root)[:-len(".py")].replace(os.sep, ".")
+        modules[name[:-len(".__init__")] if name.endswith(".__init__") else name] = [candidate, target]
+    argv = [ctx.python, "-c", hostinfo.program("import_candidates"), json.dumps(modules)]
+    return _judged(argv, ctx, {os.path.realpath(t) for _, t in pairs}, timeout)
+
+
+def _judged(argv, ctx, swapped, timeout):
     try:
-        proc = subprocess.run([ctx.python, "-m", sglang.LAUNCH_MODULE, "--help"], capture_output=True,
-                              text=True, timeout=timeout, env=hostinfo.server_env(ctx), stdin=subprocess.DEVNULL)
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=hostinfo.server_env(ctx),
+                              stdin=subprocess.DEVNULL)
     except (OSError, subprocess.TimeoutExpired) as err:
         return {"ran": False, "ok": False, "detail": "import check could not run: %s" % err}
     if proc.returncode == 0:

@@ -26,6 +26,8 @@ VERBS = {
     "op_follow": ("operations", "op_follow", True),
     "op_detach": ("operations", "op_detach", False),
     "op_list": ("operations", "op_list", False),
+    "op_go": ("prepared", "op_go", False),
+    "op_cancel": ("prepared", "op_cancel", False),
     "server_find": ("lifecycle", "server_find", False),
     "server_stop": ("lifecycle", "server_stop", False),
     "server_start": ("lifecycle", "server_start", False),
