@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import uuid
 from collections.abc import Callable, Iterator
@@ -20,6 +21,13 @@ from typing import Any
 import pytest
 
 from sshd_harness import SSHD, FakeHost, start_fake_host
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A runner started in the background (`&` without job control, nohup) has SIGINT ignored, and an ignored
+    signal stays ignored in every process it starts: the tests that press Ctrl-C on a dynctl need it heard."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(autouse=True)

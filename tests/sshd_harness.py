@@ -11,6 +11,7 @@ import contextlib
 import getpass
 import json
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -50,10 +51,39 @@ SetEnv {set_env}
 """
 
 
+# Under pytest-xdist each worker draws its ports from a block of its own below the kernel's ephemeral range
+# (32768-60999 by default), so two workers never pick the same port and no outgoing connection takes one
+# between the pick and the bind. Outside xdist (or past the blocks) the kernel picks.
+PORT_BLOCKS_START, PORT_BLOCK_SIZE, PORT_BLOCKS = 20000, 1000, 12
+_next_port: dict[str, int] = {}
+
+
+def _worker_block() -> range | None:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not (worker.startswith("gw") and worker[2:].isdigit() and int(worker[2:]) < PORT_BLOCKS):
+        return None
+    start = PORT_BLOCKS_START + int(worker[2:]) * PORT_BLOCK_SIZE
+    return range(start, start + PORT_BLOCK_SIZE)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port nothing is bound to on `host` now (this worker's own, under xdist)."""
+    block = _worker_block()
+    if block is None:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            return s.getsockname()[1]
+    offset = _next_port.get(host, random.randrange(len(block)))
+    for step in range(len(block)):
+        port = block[(offset + step) % len(block)]
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:  # taken, or still in TIME_WAIT from an earlier test
+                continue
+        _next_port[host] = (offset + step + 1) % len(block)
+        return port
+    raise RuntimeError(f"no free port on {host} in {block.start}-{block.stop - 1}")
 
 
 def wait_gone(procs: Iterable[psutil.Process], timeout: float) -> list[psutil.Process]:

@@ -115,7 +115,7 @@ def test_adopt_then_deploy_keeps_the_hand_tuned_flags_and_rollback_restores_them
                                     config=config).stdout)
     assert "--mem-fraction-static" not in config_args["launch_argv"]
 
-    res = dynctl("deploy", "--threshold", "5", "--yes", config=config)
+    res = dynctl("deploy", "--threshold", "5", "--yes", "--soak", "0", config=config)
     assert res.returncode == 0, res.stdout + res.stderr
     proc.wait(30)  # drained on SIGTERM; the simulator, like sglang, ends its own tree with SIGKILL
     deployed = psutil.Process(server_pid(config))
@@ -125,7 +125,7 @@ def test_adopt_then_deploy_keeps_the_hand_tuned_flags_and_rollback_restores_them
     assert res.returncode == 0, res.stdout + res.stderr
     assert psutil.Process(server_pid(config)).environ()["OPERATOR_TOKEN"] == SECRET
 
-    back = dynctl("rollback", "--to", "baseline", "--yes", config=config)
+    back = dynctl("rollback", "--to", "baseline", "--yes", "--soak", "0", config=config)
     assert back.returncode == 0, back.stdout + back.stderr
     assert psutil.Process(server_pid(config)).cmdline() == argv
 

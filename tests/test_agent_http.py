@@ -25,7 +25,7 @@ def dead_proxy(monkeypatch: pytest.MonkeyPatch) -> str:
 
 def test_deploy_threshold_and_bench_ignore_a_dead_http_proxy(local_demo, dead_proxy):
     agent, host = local_demo.agent, local_demo.host
-    result = core.deploy(agent, core.plan_deploy(agent, host, 5), ready_timeout=60)
+    result = core.deploy(agent, core.plan_deploy(agent, host, 5), ready_timeout=60, soak=0)
     assert result["threshold_in_force"] == 5  # read back from /server_info, not rolled back
 
     assert core.set_threshold(agent, 7)["in_force"] == 7  # read back too

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.slow
 
 def test_compare_by_redeploy_puts_the_original_release_back(demo_box, tmp_path):
     config = demo_box("0.5.14", via="local", strategy="native")
-    assert dynctl("deploy", "--threshold", "8", "--yes", config=config).returncode == 0
+    assert dynctl("deploy", "--threshold", "8", "--yes", "--soak", "0", config=config).returncode == 0
     before = json.loads(dynctl("releases", "--json", config=config).stdout)
     refused = dynctl("bench", "--compare", "--concurrency", "1,4", "--num-prompts", "8", config=config)
     assert refused.returncode == 2 and "refusing without --yes" in refused.stderr + refused.stdout

@@ -15,7 +15,7 @@ from test_bench_cli import make_app, write_config
 from sim_harness import SPEC_ARGS, Sim
 from typer.testing import CliRunner
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
 
 SIM_LAUNCH = ["{python}", "-m", "dynctl.sim"]  # the servers these tests start, as dynctl would

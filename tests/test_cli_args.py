@@ -126,7 +126,7 @@ def test_live_threshold_minus_one_then_a_clear_refusal_once_the_server_is_down(d
     config = demo_box(via="local")
     port = session(config).host.port
     try:
-        deployed = dynctl("deploy", "--threshold", "5", "--yes", config=config)
+        deployed = dynctl("deploy", "--threshold", "5", "--yes", "--soak", "0", config=config)
         assert deployed.returncode == 0, deployed.stdout + deployed.stderr
         live = dynctl("threshold", "-1", "--yes", config=config)
         assert live.returncode == 0, live.stdout + live.stderr

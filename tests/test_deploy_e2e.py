@@ -119,7 +119,7 @@ def test_connection_cut_mid_deploy_converges(demo_box, sshd, step):
             cut.set()
             sshd.server.drop_connections()
 
-    result = core.deploy(s.agent, dplan, on_event, ready_timeout=60)
+    result = core.deploy(s.agent, dplan, on_event, ready_timeout=60, soak=0)
     assert cut.is_set()
     assert result["threshold_in_force"] == 5
     assert server_info(config)["internal_states"][0]["speculative_disable_batch_threshold"] == 5
@@ -131,7 +131,7 @@ def test_native_strategy_deploy_touches_no_file(demo_box):
     config = demo_box("0.5.14", strategy="native")
     pristine = tree_sha256(config)
     start_baseline(config)
-    out = dynctl("deploy", "--threshold", "8", "--yes", config=config)
+    out = dynctl("deploy", "--threshold", "8", "--yes", "--soak", "0", config=config)
     assert out.returncode == 0, out.stdout + out.stderr
     assert tree_sha256(config) == pristine
     info = server_info(config)
@@ -139,7 +139,7 @@ def test_native_strategy_deploy_touches_no_file(demo_box):
     assert info["speculative_adaptive_config"].endswith("adaptive.json")
     live = dynctl("threshold", "4", "--yes", config=config)
     assert live.returncode == 3 and "restart is needed" in live.stderr
-    back = dynctl("rollback", "--yes", config=config)
+    back = dynctl("rollback", "--yes", "--soak", "0", config=config)
     assert back.returncode == 0, back.stderr
     assert not server_info(config).get("speculative_adaptive")
 
@@ -154,13 +154,13 @@ def test_auto_strategy_patches_0_5_14(demo_box):
     assert "+++ b/sglang/srt/speculative/eagle_worker_v2.py" in dry.stdout
     assert "--speculative-disable-batch-threshold 5" in dry.stdout
     assert "adaptive.json" not in dry.stdout
-    out = dynctl("deploy", "--threshold", "5", "--yes", config=config)
+    out = dynctl("deploy", "--threshold", "5", "--yes", "--soak", "0", config=config)
     assert out.returncode == 0, out.stdout + out.stderr
     assert tree_sha256(config) != pristine
     assert server_info(config)["internal_states"][0]["speculative_disable_batch_threshold"] == 5
     status = json.loads(dynctl("status", "--json", config=config).stdout)
     assert status["patch"]["strategy"] == "patch" and status["patch"]["status"] == "applied"
-    back = dynctl("rollback", "--yes", config=config)
+    back = dynctl("rollback", "--yes", "--soak", "0", config=config)
     assert back.returncode == 0, back.stdout + back.stderr
     assert tree_sha256(config) == pristine
 

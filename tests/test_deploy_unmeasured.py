@@ -38,7 +38,7 @@ def test_strategy_patch_takes_the_unmeasured_variant_and_says_so(demo_box):
     assert "+++ b/sglang/srt/speculative/eagle_worker_v2.py" in dry.stdout
     assert tree_sha256(config) == pristine
 
-    out = dynctl("deploy", "--threshold", "5", "--yes", config=config)
+    out = dynctl("deploy", "--threshold", "5", "--yes", "--soak", "0", config=config)
     assert out.returncode == 0, out.stdout + out.stderr
     assert NOTE in _one_line(out.stdout + out.stderr)
     assert server_info(config)["internal_states"][0]["speculative_disable_batch_threshold"] == 5
@@ -50,6 +50,6 @@ def test_strategy_patch_takes_the_unmeasured_variant_and_says_so(demo_box):
     assert data["patch"]["strategy"] == "patch" and data["patch"]["status"] == "applied"
     assert NOTE in data["patch"]["detail"]
 
-    back = dynctl("rollback", "--yes", config=config)
+    back = dynctl("rollback", "--yes", "--soak", "0", config=config)
     assert back.returncode == 0, back.stdout + back.stderr
     assert tree_sha256(config) == pristine

@@ -413,7 +413,7 @@ def test_a_client_killed_mid_deploy_leaves_the_host_to_finish(demo_box):
     pristine = tree_sha256(config)
     s = session(config)
     workdir = Path(s.host.workdir)
-    client = subprocess.Popen([sys.executable, "-m", "dynctl", "deploy", "--threshold", "5", "--yes",
+    client = subprocess.Popen([sys.executable, "-m", "dynctl", "deploy", "--threshold", "5", "--yes", "--soak", "0",
                                "--config", str(config)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)
     try:
@@ -434,7 +434,7 @@ def test_a_client_killed_mid_deploy_leaves_the_host_to_finish(demo_box):
     assert patch["status"] == "applied"
     again = dynctl("deploy", "--threshold", "5", "--yes", config=config)
     assert again.returncode == 0 and "nothing to do" in again.stdout
-    back = dynctl("rollback", "--yes", config=config)
+    back = dynctl("rollback", "--yes", "--soak", "0", config=config)
     assert back.returncode == 0, back.stderr
     assert tree_sha256(config) == pristine
 
@@ -466,11 +466,11 @@ def test_a_worker_killed_mid_switch_is_undone_by_the_next_deploy(demo_box):
     assert releases[0]["state"] == "applied"  # switched before the kill, never verified
     interrupted = tree_sha256(config)
 
-    again = core.deploy(agent, core.plan_deploy(agent, host, 5), ready_timeout=60)
+    again = core.deploy(agent, core.plan_deploy(agent, host, 5), ready_timeout=60, soak=0)
     assert again["threshold_in_force"] == 5
     deployed = tree_sha256(config)
     assert interrupted in (pristine, deployed)  # one release or the other, never a mix
-    back = core.rollback(agent, host, to="baseline")
+    back = core.rollback(agent, host, to="baseline", soak=0)
     assert back["target"] == "baseline"
     assert tree_sha256(config) == pristine
 
@@ -566,9 +566,9 @@ def test_decoy_and_second_server_are_untouched(demo_box, owned):
     other = spawn(owned, [sys.executable, "-m", "dynctl.sim", "--time-scale", "20", "--model-path", "/m",
                           "--port", str(other_port)], env=dict(os.environ, PYTHONPATH=s.host.env["PYTHONPATH"]),
                   start_new_session=True)
-    out = dynctl("deploy", "--threshold", "5", "--yes", config=config)
+    out = dynctl("deploy", "--threshold", "5", "--yes", "--soak", "0", config=config)
     assert out.returncode == 0, out.stderr
-    back = dynctl("rollback", "--yes", config=config)
+    back = dynctl("rollback", "--yes", "--soak", "0", config=config)
     assert back.returncode == 0, back.stderr
     for proc in (decoy, other):
         assert proc.poll() is None

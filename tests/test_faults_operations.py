@@ -433,8 +433,8 @@ def test_the_agent_refuses_a_relative_workdir_itself(tmp_path, monkeypatch):
 def test_release_ids_are_shown_whole_and_rollback_takes_prefixes(local_demo, tmp_path):
     config = tmp_path / "dynctl.toml"
     agent, host = local_demo.agent, local_demo.host
-    first = core.deploy(agent, core.plan_deploy(agent, host, 5), ready_timeout=60)["release"]
-    second = core.deploy(agent, core.plan_deploy(agent, host, 7), ready_timeout=60)["release"]
+    first = core.deploy(agent, core.plan_deploy(agent, host, 5), ready_timeout=60, soak=0)["release"]
+    second = core.deploy(agent, core.plan_deploy(agent, host, 7), ready_timeout=60, soak=0)["release"]
     listing = subprocess.run([sys.executable, "-m", "dynctl", "releases", "--config", str(config)],
                              capture_output=True, text=True, env=dict(os.environ, COLUMNS="80"), timeout=120)
     assert listing.returncode == 0 and first in listing.stdout and second in listing.stdout
@@ -447,7 +447,7 @@ def test_release_ids_are_shown_whole_and_rollback_takes_prefixes(local_demo, tmp
     assert unknown.returncode == 2 and "in force: " in unknown.stderr
     assert server_threshold(local_demo) == 7 and core.list_releases(agent)[0]["state"] == "applied"
 
-    back = dynctl("rollback", "--to", "1", "--yes", config=config)
+    back = dynctl("rollback", "--to", "1", "--yes", "--soak", "0", config=config)
     assert back.returncode == 0, back.stdout + back.stderr
     assert f"to {first}" in back.stdout and server_threshold(local_demo) == 5
     same = dynctl("rollback", "--to", "latest", "--yes", config=config)
@@ -464,7 +464,7 @@ def test_an_interrupted_release_names_the_host_and_rollback_recovers_it(local_de
     agent, host = local_demo.agent, local_demo.host
     site = Path(host.env["PYTHONPATH"]) / "sglang"
     pristine = {p: p.read_bytes() for p in site.joinpath("srt").rglob("*.py")}
-    release = core.deploy(agent, core.plan_deploy(agent, host, 5), ready_timeout=60)["release"]
+    release = core.deploy(agent, core.plan_deploy(agent, host, 5), ready_timeout=60, soak=0)["release"]
     manifest = Path(host.workdir) / "releases" / release / "manifest.json"
     manifest.write_text(json.dumps(dict(json.loads(manifest.read_text()), state="applying")))
 
@@ -472,7 +472,7 @@ def test_an_interrupted_release_names_the_host_and_rollback_recovers_it(local_de
     assert refused.returncode == 3
     said = " ".join(refused.stderr.split())
     assert f"box: release {release} was interrupted" in said and "`dynctl rollback` reverts it" in said
-    back = dynctl("rollback", "--yes", config=config)
+    back = dynctl("rollback", "--yes", "--soak", "0", config=config)
     assert back.returncode == 0, back.stdout + back.stderr
     assert f"release {release} was interrupted; reverting it first" in back.stdout + back.stderr
     assert {p: p.read_bytes() for p in pristine} == pristine

@@ -75,7 +75,7 @@ def test_rollback_json_says_changed_after_reverting_an_interrupted_release(demo_
     manifest = workdir(config) / "releases" / release / "manifest.json"
     manifest.write_text(json.dumps(dict(json.loads(manifest.read_text()), state="applying")))
 
-    back = dynctl("rollback", "--yes", "--json", config=config)
+    back = dynctl("rollback", "--yes", "--json", "--soak", "0", config=config)
     assert back.returncode == 0, back.stdout + back.stderr
     result = json.loads(back.stdout)
     assert result["changed"] is True and result["reverted"] == [release]
@@ -96,7 +96,7 @@ def test_a_native_threshold_that_padding_moves_is_reported_as_the_server_enforce
     planned = json.loads(dry.stdout)
     assert planned["threshold"] == 9 and planned["effective_threshold"] == 8
 
-    out = dynctl("deploy", "--threshold", "9", "--yes", config=config)
+    out = dynctl("deploy", "--threshold", "9", "--yes", "--soak", "0", config=config)
     assert out.returncode == 0, out.stdout + out.stderr
     said = " ".join(out.stdout.split())
     assert "threshold 8 in force (read back from /server_info, 9 requested" in said
@@ -116,7 +116,7 @@ def test_a_native_server_whose_config_file_says_otherwise_is_read_as_it_is(demo_
     """The live view derives the cut from the config file the server names, not from the release record."""
     config = demo_box("0.5.14", via="local", strategy="native")
     start_baseline(config)
-    assert dynctl("deploy", "--threshold", "16", "--yes", config=config).returncode == 0
+    assert dynctl("deploy", "--threshold", "16", "--yes", "--soak", "0", config=config).returncode == 0
     path = Path(server_info(config)["speculative_adaptive_config"])
     path.write_text(json.dumps({"1": {"candidate_steps": [3]}, "5": {"candidate_steps": [0]}}))
     status = json.loads(dynctl("status", "--json", config=config).stdout)
@@ -149,7 +149,7 @@ def test_status_shows_no_threshold_for_a_server_that_reports_none(demo_box):
 def test_an_unreadable_record_of_the_release_in_force_is_a_preflight_refusal(demo_box, damage):
     config = demo_box(via="local")
     start_baseline(config)
-    deployed = dynctl("deploy", "--threshold", "5", "--yes", config=config)
+    deployed = dynctl("deploy", "--threshold", "5", "--yes", "--soak", "0", config=config)
     assert deployed.returncode == 0, deployed.stdout + deployed.stderr
     patched = tree_sha256(config)
     release = session(config).agent.call("releases")["current"]
@@ -175,8 +175,8 @@ def test_an_unreadable_record_of_the_release_in_force_is_a_preflight_refusal(dem
 def test_a_release_directory_without_a_record_below_a_later_release_is_refused(demo_box):
     config = demo_box(via="local")
     start_baseline(config)
-    assert dynctl("deploy", "--threshold", "5", "--yes", config=config).returncode == 0
-    assert dynctl("deploy", "--threshold", "7", "--yes", config=config).returncode == 0
+    assert dynctl("deploy", "--threshold", "5", "--yes", "--soak", "0", config=config).returncode == 0
+    assert dynctl("deploy", "--threshold", "7", "--yes", "--soak", "0", config=config).returncode == 0
     first = json.loads(dynctl("releases", "--json", config=config).stdout)[-1]["id"]
     (workdir(config) / "releases" / first / "manifest.json").unlink()
     refused = dynctl("rollback", "--yes", config=config)
@@ -324,7 +324,7 @@ def test_a_server_that_requires_an_api_key_is_deployed_checked_and_changed_live(
     dry = dynctl("deploy", "--threshold", "5", "--dry-run", config=config)
     assert dry.returncode == 0 and KEY not in dry.stdout and ADMIN_KEY not in dry.stdout
     assert "--api-key" in dry.stdout and "***" in dry.stdout
-    out = dynctl("deploy", "--threshold", "5", "--yes", "--ready-timeout", "30", config=config)
+    out = dynctl("deploy", "--threshold", "5", "--yes", "--ready-timeout", "30", "--soak", "0", config=config)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "threshold 5 in force" in out.stdout
     assert KEY not in out.stdout + out.stderr and ADMIN_KEY not in out.stdout + out.stderr
@@ -335,7 +335,7 @@ def test_a_server_that_requires_an_api_key_is_deployed_checked_and_changed_live(
     status = dynctl("status", "--json", config=config)
     assert status.returncode == 0 and json.loads(status.stdout)["server"]["threshold"] == 3
     assert KEY not in status.stdout
-    back = dynctl("rollback", "--yes", config=config)
+    back = dynctl("rollback", "--yes", "--soak", "0", config=config)
     assert back.returncode == 0 and "rolled back" in back.stdout, back.stdout + back.stderr
     follow = dynctl("ops", "follow", config=config)
     assert KEY not in follow.stdout + follow.stderr
@@ -346,7 +346,8 @@ def test_the_api_key_alone_also_opens_the_admin_endpoints(demo_box):
     config = demo_box(via="local")
     with_server_args(config, "--api-key", KEY)
     start_baseline(config)
-    assert dynctl("deploy", "--threshold", "5", "--yes", "--ready-timeout", "30", config=config).returncode == 0
+    deployed = dynctl("deploy", "--threshold", "5", "--yes", "--ready-timeout", "30", "--soak", "0", config=config)
+    assert deployed.returncode == 0
     live = dynctl("threshold", "2", "--yes", config=config)
     assert live.returncode == 0 and "threshold 2 in force" in live.stdout, live.stdout + live.stderr
     assert secrets_in(workdir(config)) == []

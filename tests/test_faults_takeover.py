@@ -290,14 +290,14 @@ def test_deploy_yes_refuses_the_operators_server_and_adopt_takes_it_over(demo_bo
     assert not server_pid(config)
 
     # the stand-in cannot run the threshold: the configured (simulated) launch takes its place
-    res = dynctl("deploy", "--threshold", "5", "--yes", "--adopt", "--use-config-args", config=config)
+    res = dynctl("deploy", "--threshold", "5", "--yes", "--adopt", "--use-config-args", "--soak", "0", config=config)
     assert res.returncode == 0, res.stdout + res.stderr
     assert op.wait(30) == 0  # taken over: SIGTERM, drained
     assert "taking over pid %d" % op.pid in " ".join(res.stdout.split())
     assert server_pid(config) and tree_sha256(config) != before
     assert SECRET not in res.stdout + res.stderr
 
-    back = dynctl("rollback", "--to", "baseline", "--yes", config=config)
+    back = dynctl("rollback", "--to", "baseline", "--yes", "--soak", "0", config=config)
     assert back.returncode == 0, back.stdout + back.stderr
     pid = server_pid(config)
     restored = psutil.Process(pid)
@@ -391,7 +391,7 @@ def test_rollback_and_stop_take_it_over_only_with_adopt(demo_box, tmp_path, owne
     port = session(config).host.port
     op = _standin_on(config, tmp_path, owned)
     before = tree_sha256(config)
-    res = dynctl("rollback", "--yes", "--adopt", config=config)
+    res = dynctl("rollback", "--yes", "--adopt", "--soak", "0", config=config)
     assert res.returncode == 0, res.stdout + res.stderr
     assert op.wait(30) == 0
     pid = server_pid(config)

@@ -70,7 +70,7 @@ def test_deploy_and_rollback_through_sglang_serve_with_a_config_yaml(demo_box, t
     bindir, yaml = serve_with_a_config_yaml(config, tmp_path)
     port = session(config).host.port
 
-    res = run_dynctl("deploy", "--threshold", "5", "--yes", config=config)
+    res = run_dynctl("deploy", "--threshold", "5", "--yes", "--soak", "0", config=config)
     assert res.returncode == 0, res.stdout + res.stderr
     cmd = psutil.Process(server_pid(config)).cmdline()
     assert cmd[1:] == [str(bindir / "sglang"), "serve", "--config", str(yaml), "--speculative-disable-batch-threshold",
@@ -78,7 +78,7 @@ def test_deploy_and_rollback_through_sglang_serve_with_a_config_yaml(demo_box, t
     status = json.loads(run_dynctl("status", "--json", config=config).stdout)["server"]
     assert (status["state"], status["threshold"]) == ("ready", 5)  # read back from the server itself
 
-    back = run_dynctl("rollback", "--yes", config=config)
+    back = run_dynctl("rollback", "--yes", "--soak", "0", config=config)
     assert back.returncode == 0, back.stdout + back.stderr
     cmd = psutil.Process(server_pid(config)).cmdline()
     assert cmd[1:] == [str(bindir / "sglang"), "serve", "--config", str(yaml), "--port", str(port), "--enable-metrics"]
@@ -96,7 +96,7 @@ def test_native_deploy_reads_the_speculation_settings_from_the_config_yaml(demo_
     assert dry.returncode == 0, dry.stdout + dry.stderr
     argv = json.loads(dry.stdout)["launch_argv"]
     assert "--speculative-adaptive" in argv and "--speculative-num-steps" not in argv  # steps 3 come from the YAML
-    res = run_dynctl("deploy", "--threshold", "4", "--yes", config=config)
+    res = run_dynctl("deploy", "--threshold", "4", "--yes", "--soak", "0", config=config)
     assert res.returncode == 0, res.stdout + res.stderr
     status = json.loads(run_dynctl("status", "--json", config=config).stdout)["server"]
     assert (status["state"], status["threshold"]) == ("ready", 4)

@@ -93,7 +93,7 @@ def test_on_the_simulator_idle_tok_s_is_zero_while_the_gauge_keeps_its_last_valu
         demo_box):
     config = demo_box(via="local")
     port = session(config).host.port
-    res = dynctl("deploy", "--threshold", "5", "--yes", config=config)
+    res = dynctl("deploy", "--threshold", "5", "--yes", "--soak", "0", config=config)
     assert res.returncode == 0, res.stdout + res.stderr
 
     def load() -> None:

@@ -30,7 +30,7 @@ def test_a_dead_holders_lock_is_taken_over_with_a_warning(demo_box):
                                               "pid_start": 1, "started": "2026-11-29T00:00:00Z"}))
     seen: list[events.Event] = []
     plan = core.plan_deploy(local_demo.agent, local_demo.host, 5)
-    result = core.deploy(local_demo.agent, plan, seen.append, ready_timeout=60)
+    result = core.deploy(local_demo.agent, plan, seen.append, ready_timeout=60, soak=0)
     assert result["threshold_in_force"] == 5
     warnings = [e.text for e in seen if isinstance(e, events.Warning)]
     assert any("took over the host lock of a deploy by alice" in w for w in warnings)

@@ -19,7 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from sim_harness import SPEC_ARGS
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
 # The GPU run's windows spread by 1-65 % (spread_pct); the simulator is steadier, but its loop carries HTTP
 # and Python costs of its own (measured here on 2 loaded cores: every level within 3 %).

@@ -57,7 +57,7 @@ def without_uptime(line: str) -> str:
 @pytest.mark.asyncio
 async def test_keys_change_the_threshold_and_restart_the_server(demo_box) -> None:
     config = demo_box(via="local")
-    deployed = dynctl("deploy", "--threshold", "5", "--yes", config=config)
+    deployed = dynctl("deploy", "--threshold", "5", "--yes", "--soak", "0", config=config)
     assert deployed.returncode == 0, deployed.stdout + deployed.stderr
     pid_before = server_pid(config)
     app = dashboard(config)

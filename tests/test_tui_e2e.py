@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow
 def demo_config(demo_box) -> Path:
     """A demo host in pct container 129, deployed with threshold 5."""
     config = demo_box()
-    deployed = dynctl("deploy", "--threshold", "5", "--yes", config=config)
+    deployed = dynctl("deploy", "--threshold", "5", "--yes", "--soak", "0", config=config)
     assert deployed.returncode == 0, deployed.stdout + deployed.stderr
     return config
 
