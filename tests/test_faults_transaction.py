@@ -350,7 +350,8 @@ def test_ctrl_c_during_a_stop_lets_the_stop_finish_with_sigkill(demo_box, via):
             proc.wait()
     said = one_line(out + err)
     wait_for(lambda: not alive(pid), 30, "the server to be SIGKILLed after the grace")
-    assert signalled(workdir, pid, "SIGKILL")
+    # the agent journals a signal once it is sent, so the entry can land just after the process is gone
+    wait_for(lambda: signalled(workdir, pid, "SIGKILL"), 30, "the stop's SIGKILL in the journal")
     assert server_pid(config) is None
     assert proc.returncode == 130, said
     assert "the stop continues on the host" in said and "SIGKILL after the 4 s grace" in said, said

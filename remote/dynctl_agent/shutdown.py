@@ -16,6 +16,7 @@ def send_signal(ctx, pid, start, sig, why):
     """Send sig to pid only while it is still the process we collected; True when sent."""
     if not procfs.same(pid, start):
         return False
+    cmdline = procfs.cmdline(pid)[:8]  # read while the process is there: after a SIGKILL it may be gone
     try:
         os.kill(pid, sig)
     except ProcessLookupError:
@@ -23,7 +24,7 @@ def send_signal(ctx, pid, start, sig, why):
     except PermissionError as err:
         raise AgentError("cannot signal pid %d (%s): %s"
                          % (pid, " ".join(sglang.redact_argv(procfs.cmdline(pid)))[:80], err.strerror))
-    store.journal(ctx, "stop.signal", pid=pid, signal=signal.Signals(sig).name, why=why, cmdline=procfs.cmdline(pid)[:8])
+    store.journal(ctx, "stop.signal", pid=pid, signal=signal.Signals(sig).name, why=why, cmdline=cmdline)
     return True
 
 
