@@ -209,4 +209,4 @@ cp "$HERE"/device/*.py "$DEST/bin/"
 
 # -- what does not fit one call (with the checkout's own files) moves to "${DEST}a", for a store call
 bash "$HERE/split_carry.sh" "$DEST" | tee -a "$DEST/MANIFEST"
-du -sh "$DEST" "${DEST}a" 2>/dev/null; ls -la "$DEST"
+du -sh "$DEST" $(for x in a b c; do [ -d "$DEST$x" ] && echo "$DEST$x"; done); ls -la "$DEST"  # store folders where the split made them
