@@ -302,6 +302,7 @@ def secrets_in(folder: Path) -> list[str]:
     return found
 
 
+@pytest.mark.alone  # its status read of the live threshold came back empty once beside three busy workers
 @pytest.mark.parametrize("spelling", ["separate", "equals"])
 def test_a_server_that_requires_an_api_key_is_deployed_checked_and_changed_live(demo_box, spelling):
     config = demo_box(via="local")
