@@ -317,6 +317,33 @@ def compare_logprobs(base, other):
             "max_logprob_gap": round(gap, 4)}
 
 
+def trace_steps(url, out_dir, steps, prefix=None):
+    """sglang's torch profiler (CPU and GPU) over the server's next `steps` forward steps; the trace's
+    path once written whole, or None after a minute."""
+    before = set(os.listdir(out_dir)) if os.path.isdir(out_dir) else set()
+    req = urllib.request.Request(url + "/start_profile", method="POST", data=json.dumps({
+        "output_dir": out_dir, "num_steps": steps, "activities": ["CPU", "GPU"],
+        "profile_prefix": prefix}).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:  # answers in plain text
+        r.read()
+    traced = None
+    deadline = time.time() + 60
+    while time.time() < deadline and traced is None:
+        new = [f for f in (os.listdir(out_dir) if os.path.isdir(out_dir) else [])
+               if f not in before and f.endswith(".json.gz")]
+        traced = os.path.join(out_dir, new[0]) if new else None
+        time.sleep(0.1)
+    while traced and time.time() < deadline:  # the export has finished once the gzip stream is whole
+        try:
+            with gzip.open(traced, "rb") as f:
+                while f.read(1 << 20):
+                    pass
+            break
+        except (EOFError, OSError):
+            time.sleep(0.2)
+    return traced
+
+
 def steady_level(url, c, max_new_tokens, window, windows=3, prompt_len=16, vocab=32000, seed=7, profile=None,
                  sample=None, logprob_every=0):
     """Step cost at a fixed batch: `c` requests sent together, measured once all of them decode.
@@ -368,28 +395,7 @@ def steady_level(url, c, max_new_tokens, window, windows=3, prompt_len=16, vocab
                                              "--pid", str(sample["pid"])], capture_output=True, text=True)
         sampled = {"out": sample["out"] if r.returncode == 0 else None, "rc": r.returncode,
                    "steps": int(read_metrics(url)["decode_steps"] - s0), "err": r.stderr[-400:]}
-    traced = None
-    if profile:
-        before = set(os.listdir(profile["dir"])) if os.path.isdir(profile["dir"]) else set()
-        req = urllib.request.Request(url + "/start_profile", method="POST", data=json.dumps({
-            "output_dir": profile["dir"], "num_steps": profile["steps"], "activities": ["CPU", "GPU"],
-            "profile_prefix": profile.get("prefix")}).encode(), headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=120) as r:  # answers in plain text
-            r.read()
-        deadline = time.time() + 60
-        while time.time() < deadline and traced is None:
-            new = [f for f in (os.listdir(profile["dir"]) if os.path.isdir(profile["dir"]) else [])
-                   if f not in before and f.endswith(".json.gz")]
-            traced = os.path.join(profile["dir"], new[0]) if new else None
-            time.sleep(0.1)
-        while traced and time.time() < deadline:  # the export has finished once the gzip stream is whole
-            try:
-                with gzip.open(traced, "rb") as f:
-                    while f.read(1 << 20):
-                        pass
-                break
-            except (EOFError, OSError):
-                time.sleep(0.2)
+    traced = trace_steps(url, profile["dir"], profile["steps"], profile.get("prefix")) if profile else None
     running_end = read_metrics(url)["running"]
     deadline = time.time() + 120  # a server that stops answering costs this level, not the call
     for th in threads:

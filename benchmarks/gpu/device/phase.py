@@ -923,6 +923,14 @@ def phase_profile(a):
     pyspy = py_spy()
     if os.environ.get("PROFILE_EAGLE3"):
         plan.append(Server("eagle3", 30001, envs["pristine"], common_args(m, True, big)))
+    # PROFILE_SERVERS: more servers, a JSON list of {"name", "tree" (pristine/patched/...), "spec": bool,
+    # "args": [server flags], "threshold": set before each level (omit: as started)}
+    extra_servers = json.loads(os.environ.get("PROFILE_SERVERS") or "[]")
+    for i, x in enumerate(extra_servers):
+        spec = bool(x.get("spec"))
+        plan.append(Server(x["name"], 30020 + i, envs[x.get("tree", "patched")],
+                           common_args(m, spec, (thr if spec and x.get("tree", "patched") != "pristine" else [])
+                                       + big + list(x.get("args", [])))))
     servers = launch_all(plan)
     for s in servers.values():
         for line in graph_lines(s):
@@ -945,6 +953,7 @@ def phase_profile(a):
                     + json.dumps(client.compare_logprobs(base, got)))
     # label, server, threshold set before the level (None: as started)
     modes = [("nospec", "nospec", None), ("t0", "patched", 0)] + [(f"{t}-t0", t, 0) for t in trees[2:]]
+    modes += [(x["name"], x["name"], x.get("threshold")) for x in extra_servers]
     for extra in filter(None, os.environ.get("PROFILE_MODES", "").split(",")):
         modes.append((f"t{extra}", "patched", int(extra)) if extra.lstrip("-").isdigit() else (extra, extra, None))
     modes = [x for x in modes if x[1] in servers]
@@ -1024,11 +1033,19 @@ def closed_loop(servers, modes, pyspy, spy_s):
     """At CLOSED_LEVELS, the speed phase's closed loop (128 new tokens per request, prefills mixed in)
     on every mode in turn, with the servers' whole /metrics text at the window's start and end and,
     where py-spy travelled, the scheduler sampled during the window: where a closed loop's time goes
-    beyond the decode steps that the steady levels time."""
+    beyond the decode steps that the steady levels time. At CLOSED_TRACE_LEVELS, after the windows,
+    sglang's torch profiler records CLOSED_TRACE_STEPS steps of the loop (prefills included)."""
+    import trace_summary
+
     levels = [int(x) for x in os.environ.get("CLOSED_LEVELS", "").split(",") if x]
     if levels and PROMPTS is None:
         prompts_file()
     rows = {label: [] for label, _, _ in modes}
+    trace_levels = {int(x) for x in os.environ.get("CLOSED_TRACE_LEVELS", "").split(",") if x}
+    trace_steps = int(os.environ.get("CLOSED_TRACE_STEPS", "60"))
+    trace_dir = os.path.join(RES, "closed-traces")
+    os.makedirs(trace_dir, exist_ok=True)
+    traces = {}
     for c in levels:
         if left() < 15 * len(modes):
             say(f"closed loop: stopped before c{c}, budget")
@@ -1040,9 +1057,14 @@ def closed_loop(servers, modes, pyspy, spy_s):
             tag = f"closed-{label}-c{c}"
             spy = []
 
-            def on_measure(start, s=s, tag=tag, spy=spy):
+            def on_measure(start, s=s, tag=tag, spy=spy, c=c, label=label):
                 with open(os.path.join(RES, f"{tag}-metrics-{'start' if start else 'end'}.txt"), "w") as f:
                     f.write(client.get(s.url, "/metrics", timeout=30))
+                if not start and c in trace_levels:
+                    # after the measured windows, with the loop still running: K steps of the mix traced
+                    traced = client.trace_steps(s.url, trace_dir, trace_steps, tag)
+                    traces[f"{label}-c{c}"] = (trace_summary.summarize(traced, trace_steps) if traced
+                                               else {"error": "no trace"})
                 if start and pyspy:
                     spy.append(subprocess.Popen(
                         pyspy + ["--duration", str(max(1, round(spy_s))), "--rate", "1000", "--format", "raw",
@@ -1062,6 +1084,21 @@ def closed_loop(servers, modes, pyspy, spy_s):
     for label, rs in rows.items():
         if rs:
             json.dump(runinfo.stamp(rs, RUN), open(os.path.join(RES, f"closed-{label}.json"), "w"), indent=1)
+    if traces:
+        base = modes[0][0]
+        diffs = {k: trace_summary.diff(traces[f"{base}-c{k.rsplit('-c', 1)[1]}"], v) for k, v in traces.items()
+                 if not k.startswith(base + "-c") and "wall_us" in v
+                 and "wall_us" in traces.get(f"{base}-c{k.rsplit('-c', 1)[1]}", {})}
+        json.dump({"profiles": traces, "diff_vs_" + base: diffs},
+                  open(os.path.join(RES, "closed-profile-summary.json"), "w"), indent=1)
+        for key, v in traces.items():
+            if "wall_us" in v:
+                say(f"  closed trace {key}: wall {v['wall_us']}us/step, gpu busy {v['gpu_busy_us']}us, idle "
+                    f"{v['gpu_idle_us']}us, cpu ops {v['cpu_ops_per_step']} ({v['cpu_op_us']}us)")
+        for key, d in diffs.items():
+            for table in ("kernels", "runtime", "cpu_ops"):
+                say(f"    {key} - {base} {table}: " + json.dumps(dict(list(d[table].items())[:8])))
+    shutil.rmtree(trace_dir, ignore_errors=True)
 
 
 def interleaved(servers, modes):
