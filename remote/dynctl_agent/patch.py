@@ -167,6 +167,16 @@ def prepare_release(ctx, files, sglang_version, artifacts=None, strategy="patch"
     return {"package_dir": package_dir, "staged": staged["staged"], "import_check": check}
 
 
+def _write_candidates(folder, entries):
+    """Each candidate text as a private file of `folder`; [[that file, the target it stands for], ...]."""
+    pairs = []
+    for i, e in enumerate(entries):
+        name = os.path.join(folder, "%d-%s" % (i, os.path.basename(e["target"])))
+        store.write_bytes(name, e["data"], 0o600)
+        pairs.append([name, e["target"]])
+    return pairs
+
+
 def _import_check_ahead(ctx, package_dir, entries, timeout):
     """The import check of the candidates, from a folder of the workdir (the tree is not touched)."""
     if not entries:
@@ -174,12 +184,7 @@ def _import_check_ahead(ctx, package_dir, entries, timeout):
     os.makedirs(ctx.path(STAGED), mode=0o700, exist_ok=True)
     folder = tempfile.mkdtemp(prefix="import-", dir=ctx.path(STAGED))
     try:
-        pairs = []
-        for i, e in enumerate(entries):
-            name = os.path.join(folder, "%d-%s" % (i, os.path.basename(e["target"])))
-            store.write_bytes(name, e["data"], 0o600)
-            pairs.append([name, e["target"]])
-        return sgltree.import_check_candidates(ctx, package_dir, pairs, timeout)
+        return sgltree.import_check_candidates(ctx, package_dir, _write_candidates(folder, entries), timeout)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
@@ -197,11 +202,7 @@ def _stage(ctx, entries):
     folder = ctx.path(STAGED, key)
     os.makedirs(folder, mode=0o700)
     try:
-        pairs = []
-        for i, e in enumerate(entries):
-            name = os.path.join(folder, "%d-%s" % (i, os.path.basename(e["target"])))
-            store.write_bytes(name, e["data"], 0o600)
-            pairs.append([name, e["target"]])
+        pairs = _write_candidates(folder, entries)
         rc, out, err = hostinfo.run_python(ctx, hostinfo.program("compile_candidates"), json.dumps(pairs), timeout=120)
         if rc != 0:
             return {"staged": None, "errors": [err.strip()[-500:]]}

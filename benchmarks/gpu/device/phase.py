@@ -147,8 +147,13 @@ def extract(tar, dest, over=None):
         f.write(stamp)
 
 
+def release(version):
+    """"0.5.15.post1" -> (0, 5, 15)."""
+    return tuple(int(x) for x in re.findall(r"\d+", version)[:3])
+
+
 def is_native(version):
-    return tuple(int(x) for x in re.findall(r"\d+", version)[:3]) >= (0, 5, 14)
+    return release(version) >= (0, 5, 14)
 
 
 def tree_env(version, kind, copy_as=None):
@@ -219,7 +224,7 @@ def import_check(env, version):
             "sglang.srt.speculative.eagle_worker_v2"]
     tree = env["PYTHONPATH"].split(":")[0]
     # 0.5.14's dsa_backend imports deep_gemm at the top, and its EAGLE worker never imports it
-    later = tuple(int(x) for x in re.findall(r"\d+", version)[:3]) >= (0, 5, 15)
+    later = release(version) >= (0, 5, 15)
     for mod in ("sglang.srt.layers.attention.dsa_backend", "sglang.jit_kernel.dsa.cutedsl_paged_mqa_logits"):
         if later and os.path.exists(os.path.join(tree, *mod.split(".")) + ".py") and (
                 "cutedsl" not in mod or extra_names(version)):
