@@ -178,3 +178,37 @@ def test_a_bundle_found_through_its_pth_file_is_put_on_the_path(tmp_path, device
     (site / "other.pth").write_text("# a comment\nimport sys\nmissing_dir\n")
     _, load = device
     assert load(tmp_path).pth_dirs(str(site)) == [str(site / "nvidia_cutlass_dsl" / "python_packages")]
+
+
+def test_imports_made_only_where_cuda_is_present_are_found_in_the_source(tmp_path, device):
+    """The GPU machine's import check of 0.5.16 stopped at `import deep_gemm`, which dsa_backend makes under
+    `if is_cuda():` and a CPU machine's check never reaches; the source shows it, along the chain of
+    module-level imports and nowhere it would not run."""
+    from sglang_trees import install_sglang
+
+    _, load = device
+    phase = load(tmp_path)
+    check = ["sglang.srt.server_args", "sglang.srt.managers.scheduler", "sglang.srt.speculative.eagle_worker_v2"]
+    root16 = install_sglang("0.5.16", tmp_path / "t16", only=["sglang/"]).parent
+    found = phase.cuda_guarded_imports(str(root16), check + ["sglang.srt.layers.attention.dsa_backend"])
+    assert found["deep_gemm"][0][0] == "sglang.srt.layers.attention.dsa_backend"
+    assert "sgl_kernel" in found and "torch" not in found
+    root14 = install_sglang("0.5.14", tmp_path / "t14", only=["sglang/"]).parent
+    assert "deep_gemm" not in phase.cuda_guarded_imports(str(root14), check)
+
+    pkg = tmp_path / "tree" / "sglang"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "top.py").write_text(
+        "from typing import TYPE_CHECKING\nfrom .sub import leaf\n"
+        "if TYPE_CHECKING:\n    import typed_only\n"
+        "def later():\n    if is_cuda():\n        import in_a_function\n")
+    (pkg / "sub" / "leaf.py").write_text(
+        "import os\n_is_cuda = is_cuda()\n"
+        "if _is_cuda:\n    import needs_cuda\n    try:\n        import optional_one\n    except ImportError:\n        pass\n"
+        "elif is_hip():\n    import rocm_only\n"
+        "class Holder:\n    if _is_cuda:\n        from other_cuda_pkg import thing\n")
+    found = phase.cuda_guarded_imports(str(tmp_path / "tree"), ["sglang.top"])
+    assert sorted(found) == ["needs_cuda", "other_cuda_pkg"]
+    assert found["needs_cuda"] == [("sglang.sub.leaf", 4)]

@@ -238,7 +238,75 @@ def import_check(env, version):
                           f"import {', '.join(mods)};"
                           "print('torch', torch.__version__, 'sglang', sglang.__version__)")
     say(f"import check rc={rc} ({', '.join(mods)}): {out}")
-    return rc == 0
+    # what those modules import only where CUDA is present, which a CPU machine's check never reaches
+    guarded = cuda_guarded_imports(tree, [m for m in mods if m.startswith("sglang")])
+    missing_rc, missing = run_py(env, "import importlib.util, json, sys;"
+                                      f"print(json.dumps([n for n in {sorted(guarded)!r}"
+                                      " if importlib.util.find_spec(n) is None]))")
+    missing = json.loads(missing.strip().splitlines()[-1]) if missing_rc == 0 else sorted(guarded)
+    say(f"imports under a CUDA condition: {', '.join(sorted(guarded)) or 'none'}; not carried: "
+        + (", ".join(f"{n} ({guarded[n][0][0]}:{guarded[n][0][1]})" for n in missing) or "none"))
+    return rc == 0 and not missing
+
+
+def cuda_guarded_imports(root, modules):
+    """{top-level package: [(sglang module, line), ...]} of the imports that `modules` and the sglang
+    modules they import at import time make inside an `if` whose condition names CUDA (`if is_cuda():`,
+    `if _is_cuda:`), read from the source. Function bodies, `if TYPE_CHECKING:` and imports in a `try`
+    that catches the ImportError are left out: they do not run, or fail softly, at import time."""
+    import ast
+
+    def path_of(mod):
+        base = os.path.join(root, *mod.split("."))
+        for path in (base + ".py", os.path.join(base, "__init__.py")):
+            if os.path.exists(path):
+                return path
+        return None
+
+    seen, todo, found = set(), list(modules), {}
+    while todo:
+        mod = todo.pop()
+        path = None if mod in seen else path_of(mod)
+        seen.add(mod)
+        if path is None:
+            continue
+        pkg = mod if path.endswith("__init__.py") else mod.rpartition(".")[0]
+
+        def visit(body, cuda, mod=mod, pkg=pkg):
+            for node in body:
+                if isinstance(node, ast.If):
+                    test = ast.unparse(node.test).lower()
+                    if "type_checking" not in test:
+                        visit(node.body, cuda or ("cuda" in test and "hip" not in test))
+                    visit(node.orelse, cuda)
+                elif isinstance(node, ast.Try):
+                    soft = any(h.type is None or "Error" in ast.unparse(h.type) or "Exception" in ast.unparse(h.type)
+                               for h in node.handlers)
+                    if not soft:
+                        visit(node.body, cuda)
+                    visit(node.orelse, cuda)
+                    visit(node.finalbody, cuda)
+                elif isinstance(node, (ast.With, ast.ClassDef)):
+                    visit(node.body, cuda)
+                elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                    if isinstance(node, ast.Import):
+                        names = [a.name for a in node.names]
+                    else:
+                        base = node.module or ""
+                        if node.level:
+                            up = pkg
+                            for _ in range(node.level - 1):
+                                up = up.rpartition(".")[0]
+                            base = up + ("." + node.module if node.module else "")
+                        names = [base] + [f"{base}.{a.name}" for a in node.names]
+                    for name in names:
+                        if name.split(".")[0] == "sglang":
+                            todo.append(name)
+                        elif cuda:
+                            found.setdefault(name.split(".")[0], []).append((mod, node.lineno))
+
+        visit(ast.parse(open(path, encoding="utf-8").read(), path).body, False)
+    return found
 
 
 def jit_warmup(env):
