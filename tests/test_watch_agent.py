@@ -169,6 +169,20 @@ def test_a_hung_server_never_blocks_the_stream(server: SglangLikeServer, workdir
     assert [item["metrics"] for item in items] == [{"ok": False, "error": "timed out"}] * 4
 
 
+def test_a_slow_server_info_is_asked_again_and_a_status_waits_for_its_first_answer(server: SglangLikeServer,
+                                                                                    workdir: Path) -> None:
+    server.state["info_delay"] = 0.6  # longer than a 0.3 s sample's budget
+    record_as_server(workdir)
+    items = list(client(workdir, server.port).stream("watch", interval=0.3, max_items=3, gpus=False))
+    # not answered within its sample: asked again at the next one, not info_every (5 s) later
+    assert [item["server_info"] for item in items] == [{"ok": False, "error": "timed out"}] * 3
+    items = list(client(workdir, server.port).stream("watch", interval=0.3, max_items=3, gpus=False,
+                                                     info_timeout=3))
+    assert items[0]["server_info"]["ok"]
+    assert items[0]["server_info"]["data"]["internal_state"]["speculative_disable_batch_threshold"] == 5
+    assert "server_info" not in items[1] and "server_info" not in items[2]  # answered: due again in 5 s
+
+
 def test_log_truncation_and_floods(server: SglangLikeServer, workdir: Path) -> None:
     log = workdir / "server.log"
     append(log, "[2026-01-01 00:00:00] old run")
@@ -249,6 +263,8 @@ def test_bad_parameters_are_usage_errors(workdir: Path) -> None:
     assert err.value.kind == "usage" and err.value.exit_code == 2
     with pytest.raises(AgentError, match="log_lines must be a number"):
         list(client(workdir, 1).stream("watch", log_lines="lots"))
+    with pytest.raises(AgentError, match="watch: info_timeout must be between 0.05 and 60"):
+        list(client(workdir, 1).stream("watch", info_timeout=600))
 
 
 @pytest.mark.gpu

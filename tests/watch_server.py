@@ -36,7 +36,8 @@ class SglangLikeServer:
     def __init__(self) -> None:
         self.state: dict[str, Any] = {"running": 2, "threshold": 5, "spec": True, "tps": 190.0,
                                       "version": "0.5.9", "metrics_delay": 0.0, "metrics_status": 200,
-                                      "loads": None}  # None: no /v1/loads (before 0.5.8); else the live batch
+                                      "loads": None,  # None: no /v1/loads (before 0.5.8); else the live batch
+                                      "info_delay": 0.0}
         self.requests: list[str] = []
         outer = self
 
@@ -67,6 +68,8 @@ class SglangLikeServer:
                             "loads": [load], "aggregate": {}}
                     self._send(200, json.dumps(body).encode(), "application/json")
                 elif self.path == "/server_info":
+                    if s["info_delay"]:
+                        time.sleep(s["info_delay"])
                     info = {"version": s["version"], "model_path": "/models/glm-5", "tp_size": 8,
                             "speculative_algorithm": "EAGLE3", "speculative_num_steps": 3,
                             "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4,

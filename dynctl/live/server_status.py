@@ -10,13 +10,18 @@ from dynctl.base.errors import OperationFailed
 from dynctl.patching.host import read_patch_state
 from dynctl.live.snapshot import HostSnapshot, build_snapshot
 
+# How long a status waits for /server_info, the threshold's read-back, to answer once: sglang asks the
+# scheduler, which answers between two steps, so a loaded server can take longer than a live view's sample.
+INFO_WAIT_S = 3.0
+
 
 def sample_server(agent: AgentClient, simulated: bool = False) -> HostSnapshot:
     """One snapshot: server state, threshold, batch, speculation, tok/s, accept length, GPUs, log tail."""
     snap = None
     # the first sample may come before the host's nvidia-smi answered, and tok/s is a counter's rate, which
     # needs two readings MIN_RATE_SPAN_S apart: a few short intervals give both
-    for item in agent.stream("watch", interval=0.35, max_items=5, log_lines=5):
+    # and /server_info, the threshold's read-back, gets INFO_WAIT_S to answer once
+    for item in agent.stream("watch", interval=0.35, max_items=5, log_lines=5, info_timeout=INFO_WAIT_S):
         snap = build_snapshot(item, agent.host.name, snap, simulated=simulated)
         tok_s = snap.readings.get("gen_throughput")
         rate_pending = bool(snap.counter_window) and (tok_s is None or tok_s.source != "counter")

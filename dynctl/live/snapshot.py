@@ -337,8 +337,9 @@ def _readings(metrics: ServerMetrics, live: tuple[int | None, int | None, float 
     # the patch's gauge changes at every decode step that flips it, so it is as fresh as the sample
     readings["speculation"] = (Reading("metrics", 0.0) if metrics.spec_enabled is not None else
                                Reading("log", 0.0) if switched else Reading("inferred", None))
+    # the patch writes its threshold gauge on a decode step, so the gauge is as old as the last one
     readings["threshold"] = (Reading("/server_info", info_age) if _int_or_none(state_info.get(sglang.THRESHOLD_KEY))
-                             is not None else Reading("metrics", 0.0) if metrics.spec_threshold is not None
+                             is not None else Reading("metrics", gauge_age) if metrics.spec_threshold is not None
                              else Reading("/server_info", info_age))
     return readings
 

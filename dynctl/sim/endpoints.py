@@ -66,6 +66,7 @@ class Api:
     metrics: ServerMetrics | None
     time_scale: float
     slow_health: float
+    slow_server_info: float = 0.0
     health_timeout: float = 20.0  # SGLANG_HEALTH_CHECK_TIMEOUT
 
     def authorize(self, request: HttpRequest) -> Response | None:
@@ -148,6 +149,8 @@ class Api:
         return await self.server_info(request)
 
     async def server_info(self, request: HttpRequest) -> Response:
+        if self.slow_server_info:
+            await asyncio.sleep(self.slow_server_info)
         tm = self.tokenizer
         return _json({**tm.server_args, **tm.scheduler_info, "internal_states": [tm.internal_state()],
                       "version": tm.version})

@@ -38,6 +38,9 @@ class SimOptions:
     orphan_child: bool = False  # a setsid()ed grandchild keeps the listening socket after the server dies
     orphan_lifetime: float = 600.0  # so a forgotten orphan still goes away by itself
     slow_health: float = 0.0  # extra seconds /health and /health_generate take
+    # extra seconds /server_info takes (sglang asks the scheduler, which answers between two steps: a long
+    # step, a large prefill say, holds the answer)
+    slow_server_info: float = 0.0
 
 
 _FLAGS = {
@@ -52,6 +55,7 @@ _FLAGS = {
     "orphan_child": ("--sim-orphan-child", bool),
     "orphan_lifetime": ("--sim-orphan-lifetime", float),
     "slow_health": ("--sim-slow-health", float),
+    "slow_server_info": ("--sim-slow-server-info", float),
 }
 
 

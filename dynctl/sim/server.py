@@ -222,7 +222,7 @@ class Launch:
         self.tokenizer = tokenizer
         if metrics is not None:
             metrics.set_gauge("max_total_num_tokens", plan.max_total_num_tokens)
-        api = Api(tokenizer, metrics, options.time_scale, options.slow_health)
+        api = Api(tokenizer, metrics, options.time_scale, options.slow_health, options.slow_server_info)
         self._child_exited, self._alive = True, True
         loop.add_signal_handler(signal.SIGCHLD, self._on_sigchld)
         loop.add_signal_handler(signal.SIGQUIT, self._running_phase_sigquit)

@@ -237,11 +237,18 @@ def _sigterm(signum, frame):
     raise _Stop()
 
 
-def watch(ctx, interval=1.0, log_lines=50, gpus=True, max_items=None, info_every=5.0, gpu_procs=False):
-    """Yield one sample of the server, its GPUs and its log every `interval` seconds, on the host itself."""
+def watch(ctx, interval=1.0, log_lines=50, gpus=True, max_items=None, info_every=5.0, gpu_procs=False,
+          info_timeout=None):
+    """Yield one sample of the server, its GPUs and its log every `interval` seconds, on the host itself.
+
+    /server_info is read every `info_every` seconds, and at the next sample again when it did not answer: sglang
+    asks the scheduler, which answers between two steps, so a long step holds the answer past a sample's budget.
+    `info_timeout`: how long the stream's first read of it may wait (a one-shot status waits for the answer; by
+    default a read gets what is left of its sample's budget)."""
     interval = _number(interval, "interval", 0.05, 60.0)
     log_lines = _number(log_lines, "log_lines", 0, 5000, int)
     info_every = _number(info_every, "info_every", 0.0, 3600.0)
+    info_timeout = None if info_timeout is None else _number(info_timeout, "info_timeout", 0.05, 60.0)
     max_items = None if max_items is None else _number(max_items, "max_items", 1, 10 ** 9, int)
     proc, log = _ServerSampler(ctx), _LogSampler(ctx.path(servers.LOG), log_lines)
     gpu = nvidia.Sampler(ctx, interval) if gpus else None
@@ -270,8 +277,12 @@ def watch(ctx, interval=1.0, log_lines=50, gpus=True, max_items=None, info_every
                     loads_missing_at = start if item["loads"].get("error", "").startswith("HTTP 404") else None
             if pid is not None and (info_at is None or start - info_at >= info_every or pid != last_pid
                                     or item["metrics"]["ok"] != last_http):
-                item["server_info"] = _server_info(ctx, max(0.05, start + budget - time.time()))
-                info_at = start
+                wait = max(0.05, start + budget - time.time())
+                if info_timeout is not None:
+                    wait, info_timeout = max(wait, info_timeout), None
+                item["server_info"] = _server_info(ctx, wait)
+                if item["server_info"]["ok"]:
+                    info_at = start
             last_pid, last_http = pid, item["metrics"]["ok"]
             # the first item waits for nvidia-smi's first answer (a block is due every interval after it)
             first_wait = max(0.0, start + FIRST_GPU_WAIT_S - time.time()) if seq == 0 else 0.0
