@@ -48,6 +48,9 @@ def test_status_reads_the_live_threshold_back_from_a_server_slow_to_answer(demo_
     assert status.returncode == 0, status.stdout + status.stderr
     server = json.loads(status.stdout)["server"]
     assert server["threshold"] == 3 and server["sources"]["threshold"]["source"] == "/server_info"
+    shown = dynctl("status", config=config)
+    assert any(line.split()[:2] == ["threshold", "3"] and "(from /server_info" in line
+               for line in shown.stdout.splitlines()), shown.stdout
 
 
 
