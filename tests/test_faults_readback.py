@@ -162,6 +162,18 @@ def test_status_shows_no_threshold_for_a_server_that_reports_none(demo_box):
     assert "none reported by /server_info" in line and "recorded 7" in line
 
 
+def test_status_says_the_threshold_is_unknown_when_server_info_does_not_answer(demo_box):
+    """Not "none reported": a server that never answered /server_info in the status's wait reported nothing."""
+    config = demo_box(via="local", DYNCTL_SIM_SLOW_SERVER_INFO="6")
+    start_baseline(config)
+    status = json.loads(dynctl("status", "--json", config=config).stdout)
+    assert status["server"]["state"] == "ready" and status["server"]["threshold"] is None
+    shown = subprocess.run([sys.executable, "-m", "dynctl", "status", "--config", str(config)], capture_output=True,
+                           text=True, env=dict(os.environ, COLUMNS="200"), timeout=120)
+    line = next(l for l in shown.stdout.splitlines() if l.startswith("threshold"))
+    assert "unknown: /server_info did not answer" in line and "none reported" not in line
+
+
 # --------------------------------------------------------------------------- an unreadable release record
 
 

@@ -140,13 +140,16 @@ def render_server(patch: dict[str, Any], server: dict[str, Any]) -> None:
     if server.get("not_ours"):
         table.add_row("", f"[yellow]not ours:[/] {escape(server['not_ours'])}  [dim](dynctl leaves it alone)[/]")
     live = server.get("threshold")
+    sources = server.get("sources") or {}
+    answered = (sources.get("threshold") or {}).get("age_s") is not None  # /server_info answered in this run
     threshold = (_fmt(live) if live is not None else
-                 "[dim]unknown[/]" if server.get("state") == "down" else "[dim]none reported by /server_info[/]")
+                 "[dim]unknown[/]" if server.get("state") == "down" else
+                 "[dim]none reported by /server_info[/]" if answered else
+                 "[yellow]unknown: /server_info did not answer[/]")
     if server.get("release_threshold") is not None and server.get("release_threshold") != live:
         threshold += (f"  [yellow](differs from release {server.get('release')}: {server['release_threshold']}; "
                       f"a restart goes back to it unless --keep-live-threshold)[/]" if live is not None else
                       f"  [dim](release {server.get('release')} recorded {server['release_threshold']})[/]")
-    sources = server.get("sources") or {}
     if live is not None:
         threshold += _provenance(sources.get("threshold"))
     table.add_row("threshold", threshold)
