@@ -9,6 +9,7 @@ is only the temporary folder that $GPU_ENV names.
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import shutil
 import subprocess
@@ -212,3 +213,30 @@ def test_imports_made_only_where_cuda_is_present_are_found_in_the_source(tmp_pat
     found = phase.cuda_guarded_imports(str(tmp_path / "tree"), ["sglang.top"])
     assert sorted(found) == ["needs_cuda", "other_cuda_pkg"]
     assert found["needs_cuda"] == [("sglang.sub.leaf", 4)]
+
+
+def test_the_closed_loop_measures_each_level_in_rounds_the_order_rotating(tmp_path, device, site_059, start_sim,
+                                                                          monkeypatch):
+    """CLOSED_ROUNDS: every mode measured that many times at a level, round k starting at mode k, so the
+    rows of two modes span the same minutes; /metrics texts only in round 0. Against two simulated servers
+    (sglang's /generate and /metrics), the device-side client as it runs on the GPU machine."""
+    _, load = device
+    phase = load(tmp_path)
+    fast = ["--time-scale", "20", "--sim-load-seconds", "1", "--model-path", "/models/m", "--enable-metrics"]
+    sims = [start_sim(site_059, fast).wait_ready(), start_sim(site_059, fast).wait_ready()]
+    servers = {name: phase.Server(name, sim.port) for name, sim in zip(("one", "two"), sims)}
+    os.makedirs(phase.RES, exist_ok=True)
+    monkeypatch.setattr(phase, "PROMPTS", [[5, 6, 7, 8, 9, 10]])
+    for name, value in (("CLOSED_LEVELS", "2"), ("CLOSED_ROUNDS", "2"), ("CLOSED_WINDOWS", "1"),
+                        ("CLOSED_WARMUP", "0.3")):
+        monkeypatch.setenv(name, value)
+    order = []
+    sweep = phase.client.sweep_level
+    monkeypatch.setattr(phase.client, "sweep_level", lambda url, *a, **k: order.append(url) or sweep(url, *a, **k))
+    phase.closed_loop(servers, [("a", "one", None), ("b", "two", None)], None, 1.0)
+    assert order == [servers["one"].url, servers["two"].url, servers["two"].url, servers["one"].url]
+    for label in ("a", "b"):
+        rows = json.loads((Path(phase.RES) / f"closed-{label}.json").read_text())
+        assert [(r["concurrency"], r["round"]) for r in rows] == [(2, 0), (2, 1)]
+        assert all(r["tok_s"] > 0 and r["run_id"] == phase.RUN["run_id"] for r in rows)
+        assert (Path(phase.RES) / f"closed-{label}-c2-metrics-start.txt").read_text().startswith("#")

@@ -1119,18 +1119,25 @@ def closed_loop(servers, modes, pyspy, spy_s):
     trace_dir = os.path.join(RES, "closed-traces")
     os.makedirs(trace_dir, exist_ok=True)
     traces = {}
+    # CLOSED_ROUNDS: each level measured that many times on every mode, the order rotating per round, so
+    # that a mode's rows span the same minutes as the others'; py-spy, traces and /metrics in round 0 only
+    rounds = int(os.environ.get("CLOSED_ROUNDS", "1"))
+    windows = int(os.environ.get("CLOSED_WINDOWS", "2"))
     for c in levels:
-        if left() < 15 * len(modes):
+        if left() < 15 * len(modes) * rounds:
             say(f"closed loop: stopped before c{c}, budget")
             break
-        for label, name, threshold in modes:
+        for label, name, threshold, rnd in [m + (k,) for k in range(rounds)
+                                            for m in modes[k % len(modes):] + modes[:k % len(modes)]]:
             s = servers[name]
             if threshold is not None:
                 client.set_threshold(s.url, threshold)
             tag = f"closed-{label}-c{c}"
             spy = []
 
-            def on_measure(start, s=s, tag=tag, spy=spy, c=c, label=label):
+            def on_measure(start, s=s, tag=tag, spy=spy, c=c, label=label, rnd=rnd):
+                if rnd:
+                    return
                 with open(os.path.join(RES, f"{tag}-metrics-{'start' if start else 'end'}.txt"), "w") as f:
                     f.write(client.get(s.url, "/metrics", timeout=30))
                 if not start and c in trace_levels:
@@ -1146,14 +1153,19 @@ def closed_loop(servers, modes, pyspy, spy_s):
                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
 
             r = client.sweep_level(s.url, c, PROMPTS, 128, warmup=float(os.environ.get("CLOSED_WARMUP", "1.5")),
-                                   window=max(spy_s, 1.0), windows=2, on_measure=on_measure)
+                                   window=max(spy_s, 1.0), windows=windows, on_measure=on_measure)
             for proc in spy:
                 proc.wait(timeout=60)
-            r["label"] = label
+            r["label"], r["round"] = label, rnd
             rows[label].append(r)
-        say(f"closed c{c}: " + ", ".join(
-            f"{label}={rows[label][-1]['tok_s']:.0f}tok/s±{rows[label][-1]['spread_pct']:.0f}%"
-            f"({rows[label][-1]['step_ms']}ms/decode step)" for label, _, _ in modes if rows[label]))
+
+        def line(label, c=c):
+            got = sorted(r["tok_s"] for r in rows[label] if r["concurrency"] == c)
+            mid = got[len(got) // 2]
+            last = rows[label][-1]
+            return (f"{label}={mid:.0f}tok/s±{last['spread_pct']:.0f}%({last['step_ms']}ms/decode step)"
+                    + (f"[rounds {got[0]:.0f}-{got[-1]:.0f}]" if len(got) > 1 else ""))
+        say(f"closed c{c}: " + ", ".join(line(label) for label, _, _ in modes if rows[label]))
     for label, rs in rows.items():
         if rs:
             json.dump(runinfo.stamp(rs, RUN), open(os.path.join(RES, f"closed-{label}.json"), "w"), indent=1)
