@@ -174,6 +174,20 @@ def test_status_says_the_threshold_is_unknown_when_server_info_does_not_answer(d
     assert "unknown: /server_info did not answer" in line and "none reported" not in line
 
 
+def test_a_deploy_whose_new_server_never_answers_server_info_is_rolled_back(demo_box):
+    """Ready (/health_generate and a /generate answered) but silent on /server_info: the threshold cannot be
+    read back, so it is not reported in force; the previous release serves again and the exit says failed."""
+    config = demo_box(via="local", DYNCTL_SIM_SLOW_SERVER_INFO="8")
+    start_baseline(config)
+    out = dynctl("deploy", "--threshold", "5", "--yes", "--ready-timeout", "30", "--soak", "0", config=config)
+    said = " ".join((out.stdout + out.stderr).split())
+    assert out.returncode == 1, said
+    assert "/server_info did not answer within 5 s after the server became ready" in said
+    assert "rolled back to baseline, which is serving again" in said and "threshold 5 in force" not in said
+    status = json.loads(dynctl("status", "--json", config=config).stdout)
+    assert status["server"]["state"] == "ready" and status["server"]["release"] is None
+
+
 # --------------------------------------------------------------------------- an unreadable release record
 
 

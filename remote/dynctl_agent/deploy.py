@@ -26,6 +26,9 @@ from dynctl_agent.protocol import AgentError, seconds
 
 STATE_FILE = serverinfo.STATE_FILE
 DEFAULT_SOAK_S = 5.0
+# How long the read-back of a new server's threshold waits for /server_info; a server that does not answer
+# in that time is rolled back (its threshold cannot be shown as in force).
+VERIFY_WAIT_S = 5.0
 
 
 def _previous_argv(ctx, baseline_argv):
@@ -61,9 +64,10 @@ def _verify(ctx, oplog, strategy, threshold, effective=None):
     """The threshold the new server enforces, as it reports it; `effective` is what the plan expects a native
     server to enforce (the requested threshold after sglang's CUDA-graph padding)."""
     with oplog.step("verify", "reading the threshold back from /server_info"):
-        info = serverinfo.server_info(ctx)
+        info = serverinfo.server_info(ctx, VERIFY_WAIT_S)
         if info is None:
-            raise AgentError("/server_info did not answer after the server became ready", "failed")
+            raise AgentError("/server_info did not answer within %.0f s after the server became ready" % VERIFY_WAIT_S,
+                             "failed")
         if strategy == "native":
             adaptive = bool(info.get("speculative_adaptive"))
             if threshold is not None and threshold < 0:  # never disable: speculation as configured, no config
