@@ -179,7 +179,7 @@ def test_a_deploy_whose_new_server_never_answers_server_info_is_rolled_back(demo
     read back, so it is not reported in force; the previous release serves again and the exit says failed."""
     config = demo_box(via="local", DYNCTL_SIM_SLOW_SERVER_INFO="8")
     start_baseline(config)
-    out = dynctl("deploy", "--threshold", "5", "--yes", "--ready-timeout", "30", "--soak", "0", config=config)
+    out = dynctl("deploy", "--threshold", "5", "--yes", "--ready-timeout", "60", "--soak", "0", config=config)
     said = " ".join((out.stdout + out.stderr).split())
     assert out.returncode == 1, said
     assert "/server_info did not answer within 5 s after the server became ready" in said

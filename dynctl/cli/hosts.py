@@ -150,7 +150,9 @@ def render_server(patch: dict[str, Any], server: dict[str, Any]) -> None:
         threshold += (f"  [yellow](differs from release {server.get('release')}: {server['release_threshold']}; "
                       f"a restart goes back to it unless --keep-live-threshold)[/]" if live is not None else
                       f"  [dim](release {server.get('release')} recorded {server['release_threshold']})[/]")
-    if live is not None:
+    if live is not None and (sources.get("threshold") or {}).get("source") == "metrics":
+        threshold += "  [yellow](from the gauge, written at the last decode step: a live change since is not in it)[/]"
+    elif live is not None:
         threshold += _provenance(sources.get("threshold"))
     table.add_row("threshold", threshold)
     table.add_row("batch size", f"{_fmt(server.get('batch_size'))} running, {_fmt(server.get('queue'))} queued"

@@ -12,7 +12,7 @@ from dynctl.live.snapshot import HostSnapshot, build_snapshot
 
 # How long a status waits for /server_info, the threshold's read-back, to answer once: sglang asks the
 # scheduler, which answers between two steps, so a loaded server can take longer than a live view's sample.
-INFO_WAIT_S = 3.0
+INFO_WAIT_S = 5.0
 
 
 def sample_server(agent: AgentClient, simulated: bool = False) -> HostSnapshot:
