@@ -207,7 +207,8 @@ def test_imports_made_only_where_cuda_is_present_are_found_in_the_source(tmp_pat
         "def later():\n    if is_cuda():\n        import in_a_function\n")
     (pkg / "sub" / "leaf.py").write_text(
         "import os\n_is_cuda = is_cuda()\n"
-        "if _is_cuda:\n    import needs_cuda\n    try:\n        import optional_one\n    except ImportError:\n        pass\n"
+        "if _is_cuda:\n    import needs_cuda\n"
+        "    try:\n        import optional_one\n    except ImportError:\n        pass\n"
         "elif is_hip():\n    import rocm_only\n"
         "class Holder:\n    if _is_cuda:\n        from other_cuda_pkg import thing\n")
     found = phase.cuda_guarded_imports(str(tmp_path / "tree"), ["sglang.top"])

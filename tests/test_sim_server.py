@@ -150,8 +150,8 @@ def test_v1_loads_reports_the_batch_right_now_as_sglang_does(patched_site_059, s
     """What a gateway (smg) and dynctl's watch read: Scheduler.get_loads per DP rank, plus the aggregate.
 
     On a server of its own at the measured speed: at the module's 50x a request of 4,000 tokens ends about
-    0.2 s after it starts (9 s at 1x), sooner than a loaded machine's client reads its first chunk and asks again, so
-    the batch read "right now" was sometimes already empty; here it decodes for seconds."""
+    0.2 s after it starts (9 s at 1x), sooner than a loaded machine's client reads its first chunk and asks
+    again, so the batch read "right now" was sometimes already empty; here it decodes for seconds."""
     argv = ["--time-scale", "1", "--sim-load-seconds", "0.2", "--model-path", "/models/sim-test", "--tp", "2",
             *SPEC_ARGS, "--max-running-requests", "64", "--enable-metrics",
             "--speculative-disable-batch-threshold", str(THRESHOLD)]
