@@ -171,11 +171,13 @@ def test_a_hung_server_never_blocks_the_stream(server: SglangLikeServer, workdir
 
 def test_a_slow_server_info_is_asked_again_and_a_status_waits_for_its_first_answer(server: SglangLikeServer,
                                                                                     workdir: Path) -> None:
-    server.state["info_delay"] = 0.6  # longer than a 0.3 s sample's budget
     record_as_server(workdir)
+    server.info_answers.clear()  # held: no answer comes within any sample
     items = list(client(workdir, server.port).stream("watch", interval=0.3, max_items=3, gpus=False))
+    server.info_answers.set()
     # not answered within its sample: asked again at the next one, not info_every (5 s) later
     assert [item["server_info"] for item in items] == [{"ok": False, "error": "timed out"}] * 3
+    server.state["info_delay"] = 0.6  # answers, later than a 0.3 s sample's budget
     items = list(client(workdir, server.port).stream("watch", interval=0.3, max_items=3, gpus=False,
                                                      info_timeout=3))
     assert items[0]["server_info"]["ok"]

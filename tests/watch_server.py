@@ -39,6 +39,9 @@ class SglangLikeServer:
                                       "loads": None,  # None: no /v1/loads (before 0.5.8); else the live batch
                                       "info_delay": 0.0}
         self.requests: list[str] = []
+        # cleared: /server_info is held unanswered until it is set again (a scheduler stuck in a long step)
+        self.info_answers = threading.Event()
+        self.info_answers.set()
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -68,7 +71,8 @@ class SglangLikeServer:
                             "loads": [load], "aggregate": {}}
                     self._send(200, json.dumps(body).encode(), "application/json")
                 elif self.path == "/server_info":
-                    if s["info_delay"]:
+                    outer.info_answers.wait()
+                    if s["info_delay"]:  # the slowness under test: an answer that comes, late
                         time.sleep(s["info_delay"])
                     info = {"version": s["version"], "model_path": "/models/glm-5", "tp_size": 8,
                             "speculative_algorithm": "EAGLE3", "speculative_num_steps": 3,
@@ -107,6 +111,7 @@ class SglangLikeServer:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.info_answers.set()
         self.httpd.shutdown()
         self.httpd.server_close()
 

@@ -149,15 +149,10 @@ def prepare_release(ctx, files, sglang_version, artifacts=None, strategy="patch"
         _check_artifact(name)
     entries = _entries(package_dir, files)
     staged = _stage(ctx, entries)
-    bad = [e for e in staged.get("errors") or [] if isinstance(e, dict)]
-    if bad:
-        first = bad[0]
-        raise AgentError("candidate for %s does not compile with %s: line %s: %s: %s%s; nothing was changed"
-                         % (first["target"], ctx.python, first["lineno"], first["type"], first["msg"],
-                            " (%s)" % first["line"] if first["line"] else ""), "preflight", compile_errors=bad)
     if staged.get("errors"):
-        raise AgentError("py_compile with %s failed: %s; nothing was changed" % (ctx.python, staged["errors"][0]),
-                         "preflight")
+        errors = staged["errors"]
+        raise _not_compiled(ctx, None if isinstance(errors[0], dict) else errors[0],
+                            [e for e in errors if isinstance(e, dict)])
     check = _import_check_ahead(ctx, package_dir, entries, float(import_check_timeout)) if strategy == "patch" \
         else None
     if check is not None:
@@ -175,6 +170,26 @@ def _write_candidates(folder, entries):
         store.write_bytes(name, e["data"], 0o600)
         pairs.append([name, e["target"]])
     return pairs
+
+
+def _compile(ctx, pairs):
+    """py_compile of [[candidate, target], ...] with the server's interpreter: (why it could not run, or None;
+    the results of the candidates that do not compile)."""
+    rc, out, err = hostinfo.run_python(ctx, hostinfo.program("compile_candidates"), json.dumps(pairs), timeout=120)
+    if rc != 0:
+        return err.strip()[-500:], []
+    return None, [r for r in json.loads(out.strip().splitlines()[-1]) if not r["ok"]]
+
+
+def _not_compiled(ctx, failed, bad):
+    """The refusal for what _compile answered: the first candidate that does not compile, named, or why the
+    compile could not run."""
+    if failed is not None:
+        return AgentError("py_compile with %s failed: %s; nothing was changed" % (ctx.python, failed), "preflight")
+    first = bad[0]
+    return AgentError("candidate for %s does not compile with %s: line %s: %s: %s%s; nothing was changed"
+                      % (first["target"], ctx.python, first["lineno"], first["type"], first["msg"],
+                         " (%s)" % first["line"] if first["line"] else ""), "preflight", compile_errors=bad)
 
 
 def _import_check_ahead(ctx, package_dir, entries, timeout):
@@ -202,13 +217,9 @@ def _stage(ctx, entries):
     folder = ctx.path(STAGED, key)
     os.makedirs(folder, mode=0o700)
     try:
-        pairs = _write_candidates(folder, entries)
-        rc, out, err = hostinfo.run_python(ctx, hostinfo.program("compile_candidates"), json.dumps(pairs), timeout=120)
-        if rc != 0:
-            return {"staged": None, "errors": [err.strip()[-500:]]}
-        bad = [r for r in json.loads(out.strip().splitlines()[-1]) if not r["ok"]]
-        if bad:
-            return {"staged": None, "errors": bad}
+        failed, bad = _compile(ctx, _write_candidates(folder, entries))
+        if failed is not None or bad:
+            return {"staged": None, "errors": [failed] if failed is not None else bad}
         store.write_json_atomic(record_path, {"key": key, "ok": True, "created": store.now_iso(),
                                               "files": [[e["path"], e["sha256_after"]] for e in entries]})
     finally:
@@ -311,21 +322,12 @@ class _Apply:
         if not self.entries:
             return
         ctx = self.ctx
-        rc, out, err = hostinfo.run_python(ctx, hostinfo.program("compile_candidates"),
-                                           json.dumps([[e["candidate"], e["target"]] for e in self.entries]),
-                                           timeout=120)
-        if rc != 0:
+        failed, bad = _compile(ctx, [[e["candidate"], e["target"]] for e in self.entries])
+        if failed is not None or bad:
             self.drop_candidates()
-            raise AgentError("py_compile with %s failed: %s; nothing was changed" % (ctx.python, err.strip()[-500:]),
-                             "preflight")
-        bad = [r for r in json.loads(out.strip().splitlines()[-1]) if not r["ok"]]
-        if bad:
-            self.drop_candidates()
-            first = bad[0]
-            releases.journal(ctx, "patch.apply.refused", step="py_compile", errors=bad)
-            raise AgentError("candidate for %s does not compile with %s: line %s: %s: %s%s; nothing was changed"
-                             % (first["target"], ctx.python, first["lineno"], first["type"], first["msg"],
-                                " (%s)" % first["line"] if first["line"] else ""), "preflight", compile_errors=bad)
+            if bad:
+                releases.journal(ctx, "patch.apply.refused", step="py_compile", errors=bad)
+            raise _not_compiled(ctx, failed, bad)
         releases.journal(ctx, "patch.candidates.compiled", files=[e["path"] for e in self.entries])
 
     def back_up(self, sglang_version, strategy, threshold, effective_threshold, launch_argv, artifacts):

@@ -1082,21 +1082,8 @@ def phase_profile(a):
     for label, rs in rows.items():
         json.dump(runinfo.stamp(rs, RUN), open(os.path.join(RES, f"steady-{label}.json"), "w"), indent=1)
     closed_loop(servers, modes, pyspy, spy_s)
-    profiles = {f"{r['label']}-c{r['concurrency']}": r["profile"] for rs in rows.values() for r in rs
-                if "wall_us" in (r.get("profile") or {})}
-    diffs = {}
-    for label, _, _ in modes[1:]:
-        for c in sorted(prof_levels):
-            a_, b_ = profiles.get(f"{modes[0][0]}-c{c}"), profiles.get(f"{label}-c{c}")
-            if a_ and b_:
-                diffs[f"{label}-c{c}"] = trace_summary.diff(a_, b_)
-    json.dump({"profiles": profiles, "diff_vs_" + modes[0][0]: diffs},
-              open(os.path.join(RES, "profile-summary.json"), "w"), indent=1)
-    for key, d in diffs.items():
-        say(f"  {key} - {modes[0][0]}: " + json.dumps({k: d[k] for k in ("wall_us", "gpu_busy_us", "gpu_idle_us",
-                                                                          "cpu_op_us", "cpu_ops_per_step")}))
-        for table in ("kernels", "runtime", "cpu_ops"):
-            say(f"    {table}: " + json.dumps(dict(list(d[table].items())[:8])))
+    report_traces({f"{r['label']}-c{r['concurrency']}": r["profile"] for rs in rows.values() for r in rs
+                   if "wall_us" in (r.get("profile") or {})}, modes[0][0], "profile-summary.json")
     shutil.rmtree(trace_dir, ignore_errors=True)  # summarised; too large to return
     for s in servers.values():
         s.stop()
@@ -1170,20 +1157,31 @@ def closed_loop(servers, modes, pyspy, spy_s):
         if rs:
             json.dump(runinfo.stamp(rs, RUN), open(os.path.join(RES, f"closed-{label}.json"), "w"), indent=1)
     if traces:
-        base = modes[0][0]
-        diffs = {k: trace_summary.diff(traces[f"{base}-c{k.rsplit('-c', 1)[1]}"], v) for k, v in traces.items()
-                 if not k.startswith(base + "-c") and "wall_us" in v
-                 and "wall_us" in traces.get(f"{base}-c{k.rsplit('-c', 1)[1]}", {})}
-        json.dump({"profiles": traces, "diff_vs_" + base: diffs},
-                  open(os.path.join(RES, "closed-profile-summary.json"), "w"), indent=1)
         for key, v in traces.items():
             if "wall_us" in v:
                 say(f"  closed trace {key}: wall {v['wall_us']}us/step, gpu busy {v['gpu_busy_us']}us, idle "
                     f"{v['gpu_idle_us']}us, cpu ops {v['cpu_ops_per_step']} ({v['cpu_op_us']}us)")
-        for key, d in diffs.items():
-            for table in ("kernels", "runtime", "cpu_ops"):
-                say(f"    {key} - {base} {table}: " + json.dumps(dict(list(d[table].items())[:8])))
+        report_traces(traces, modes[0][0], "closed-profile-summary.json")
     shutil.rmtree(trace_dir, ignore_errors=True)
+
+
+def report_traces(traces, base, out):
+    """Trace summaries {"<label>-c<N>": summary}: each against `base`'s at the same level (trace_summary.diff),
+    both written to RES/out, and the largest differences said."""
+    import trace_summary
+
+    diffs = {}
+    for key, v in traces.items():
+        label, _, c = key.rpartition("-c")
+        ref = traces.get(f"{base}-c{c}") or {}
+        if label != base and "wall_us" in v and "wall_us" in ref:
+            diffs[key] = trace_summary.diff(ref, v)
+    json.dump({"profiles": traces, "diff_vs_" + base: diffs}, open(os.path.join(RES, out), "w"), indent=1)
+    for key, d in diffs.items():
+        say(f"  {key} - {base}: " + json.dumps({k: d[k] for k in ("wall_us", "gpu_busy_us", "gpu_idle_us",
+                                                                  "cpu_op_us", "cpu_ops_per_step")}))
+        for table in ("kernels", "runtime", "cpu_ops"):
+            say(f"    {table}: " + json.dumps(dict(list(d[table].items())[:8])))
 
 
 def interleaved(servers, modes):
