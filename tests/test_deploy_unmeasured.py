@@ -53,3 +53,15 @@ def test_strategy_patch_takes_the_unmeasured_variant_and_says_so(demo_box):
     back = dynctl("rollback", "--yes", "--soak", "0", config=config)
     assert back.returncode == 0, back.stdout + back.stderr
     assert tree_sha256(config) == pristine
+
+
+def test_a_release_without_a_native_route_is_patched_unmeasured_and_says_so():
+    """0.5.6 and 0.5.7: their plain step was never measured on a GPU; "auto" still patches them (no
+    adaptive speculation before 0.5.14), and the patch is named as not measured wherever it shows."""
+    from dynctl.patching.versions import is_measured, strategy_for, strategy_note
+
+    for version in ("0.5.6", "0.5.7"):
+        assert not is_measured(version)
+        assert strategy_for(version, "auto") == "patch"
+        assert strategy_note(version, "patch").startswith(f"patch not measured on a GPU for sglang {version}")
+    assert strategy_note("0.5.11", "patch") == "patch measured on a GPU"

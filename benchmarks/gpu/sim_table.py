@@ -205,8 +205,13 @@ def release_table() -> dict:
     patches/variants.toml: the simulator runs the same step costs for every patched release."""
     with open(os.path.join(REPO, "patches", "variants.toml"), "rb") as f:
         releases = tomllib.load(f)["releases"]
+    def before_native(name):
+        return tuple(int(x) for x in re.findall(r"\d+", name)[:3]) < (0, 5, 14)
+
     patched = {
         name: ("patched, measured on a GPU" if entry.get("measured") else
+               'patched, not measured on a GPU (strategy = "auto" takes it: no native route before 0.5.14; '
+               'these step costs stand in for it)' if before_native(name) else
                'patched, not measured on a GPU (only with strategy = "patch"; these step costs stand in for it)')
         for name, entry in releases.items()
     }

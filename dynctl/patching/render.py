@@ -22,6 +22,7 @@ from pathlib import Path
 from dynctl.agent import archive
 from dynctl.patching.engine import plan_patch
 from dynctl.patching.recipe import NEW_MODULE, recipes, releases
+from dynctl.patching.versions import strategy_for
 
 
 def rendered_dir() -> Path:
@@ -43,7 +44,12 @@ def render(version: str, wheel: Path) -> str:
         }
     originals[NEW_MODULE] = None
     plan = plan_patch(version, originals)
-    measured = "yes" if release.measured else "no (not measured on a GPU: taken only with strategy = \"patch\")"
+    if release.measured:
+        measured = "yes"
+    elif strategy_for(version) == "patch":
+        measured = "no (strategy = \"auto\" still takes it: this release has no native route)"
+    else:
+        measured = "no (taken only with strategy = \"patch\")"
     header = (f"# dynctl's --speculative-disable-batch-threshold patch for sglang {version} (variant "
               f"{release.variant}); measured on a GPU: {measured}.\n"
               f"# Generated from patches/variants.toml and patches/fragments/ by "

@@ -8,8 +8,9 @@ from dynctl.base.errors import PreflightError, UsageError
 from dynctl.patching.recipe import Release, releases
 from dynctl.base.sglang import parse_version
 
-SUPPORTED = ("patch for sglang 0.5.6–0.5.12 and 0.5.14–0.5.23 (measured on a GPU: 0.5.6–0.5.12 and 0.5.14; "
-             "the others only with strategy = \"patch\"), native adaptive config for sglang ≥ 0.5.14 "
+SUPPORTED = ("patch for sglang 0.5.6–0.5.12 and 0.5.14–0.5.23 (measured on a GPU: 0.5.8–0.5.12 and 0.5.14; "
+             "0.5.6 and 0.5.7, which have no native route, patched unmeasured; 0.5.15 on only with "
+             "strategy = \"patch\"), native adaptive config for sglang ≥ 0.5.14 "
              "(the default for releases without a measured patch variant)")
 MAX_THRESHOLD = hostspec.MAX_THRESHOLD
 

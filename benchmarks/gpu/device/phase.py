@@ -546,6 +546,9 @@ def write_dynctl_config(version, models_dir, hosts):
         lines.append(f'python = "{sys.executable}"')
         lines.append(f'workdir = "{ENV}/dynwork-{name}"')
         lines.append(f"port = {port}")
+        # the patch is what this phase measures: "auto" would take the native route where the
+        # variant is not yet marked as measured (0.5.15 on)
+        lines.append('strategy = "patch"')
         env = {"PYTHONPATH": tree_env_["PYTHONPATH"], "PYTHONUNBUFFERED": "1"}
         for k in ("SGLANG_ENABLE_SPEC_V2", "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY", "SGLANG_SPEC_THRESHOLD_DRAFT"):
             if k in tree_env_:
@@ -614,8 +617,10 @@ def nan_detection(version):
 
 class StrictDeploy:
     """`dynctl deploy --threshold N --host strict`, run in the background by pid; `finish()` leaves nothing
-    of it running: a deploy still under way is interrupted (SIGINT, as Ctrl-C: dynctl rolls the host
-    back) and the server it started is stopped with `dynctl stop`."""
+    of it running: a deploy still under way is interrupted (SIGINT, as Ctrl-C), which stops dynctl's
+    command but not the operation on the host; that is followed to its end (`dynctl ops follow`) and
+    the server it started is then stopped with `dynctl stop`. A server left running would hold GPU
+    memory and a spinning scheduler core into the next call on the same machine."""
 
     def __init__(self, denv, n):
         self.denv, self.t, self.out = denv, time.time(), ""
@@ -643,6 +648,9 @@ class StrictDeploy:
             if self.join(60) is None:
                 self.proc.kill()  # dynctl itself, by its pid; what it started is stopped below
                 self.reader.join(timeout=10)
+            op = re.search(r"dynctl ops follow (\S+?)`", self.out)
+            if op:
+                dynctl(self.denv, "ops", "follow", op.group(1), "--host", "strict", timeout=300)
         dynctl(self.denv, "stop", "--host", "strict", "--yes", timeout=120)
 
 
@@ -1359,9 +1367,17 @@ def main():
     fresh_results()
     json.dump(RUN, open(os.path.join(RES, "run.json"), "w"))
     signal.signal(signal.SIGTERM, lambda signum, frame: (_ for _ in ()).throw(SystemExit(f"signal {signum}")))
-    say("gpu: " + (subprocess.run(["nvidia-smi", "--query-gpu=name,memory.used,memory.total,driver_version",
-                                   "--format=csv,noheader"], text=True, capture_output=True).stdout.strip()
-                   if shutil.which("nvidia-smi") else "none (no nvidia-smi)"))
+    gpu = (subprocess.run(["nvidia-smi", "--query-gpu=name,memory.used,memory.total,driver_version",
+                           "--format=csv,noheader"], text=True, capture_output=True).stdout.strip()
+           if shutil.which("nvidia-smi") else "none (no nvidia-smi)")
+    say("gpu: " + gpu)
+    used = re.match(r"[^,]*, (\d+) MiB", gpu)
+    if used and int(used.group(1)) > 1024 and a.phase != "store":
+        # e.g. the server of a deploy an earlier call on this machine interrupted: its memory and its
+        # idle scheduler's spinning core slow every server measured here
+        say(f"WARNING: {used.group(1)} MiB of GPU memory in use before this phase started: another process "
+            f"holds the GPU; timings in this call are not comparable with a clean machine's")
+        RUN["gpu_in_use_mib"] = int(used.group(1))
     try:
         {"speed": phase_speed, "check": phase_check, "repeat": phase_repeat, "native": phase_native, "tp": phase_tp,
          "profile": phase_profile, "store": phase_store, "imports": phase_imports}[a.phase](a)
