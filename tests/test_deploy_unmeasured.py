@@ -65,3 +65,16 @@ def test_a_release_without_a_native_route_is_patched_unmeasured_and_says_so():
         assert strategy_for(version, "auto") == "patch"
         assert strategy_note(version, "patch").startswith(f"patch not measured on a GPU for sglang {version}")
     assert strategy_note("0.5.11", "patch") == "patch measured on a GPU"
+
+
+def test_a_release_partly_measured_says_what_its_gpu_runs_showed():
+    """A variant not marked measured whose table entry has `gpu`: the warning carries what the GPU runs
+    showed instead of "not measured" (0.5.16 ran on an H200 and was slower than its target)."""
+    from dynctl.patching.recipe import releases
+    from dynctl.patching.versions import unmeasured_note
+
+    gpu = releases()["0.5.16"].gpu
+    assert gpu and "0.5.16-1.2b-steady.json" in gpu
+    assert unmeasured_note("0.5.16") == f"patch not measured on a GPU for sglang 0.5.16 in full: {gpu}"
+    assert unmeasured_note("0.5.17").endswith("its disabled-step cost and correctness were not measured")
+    assert unmeasured_note("0.5.14") is None

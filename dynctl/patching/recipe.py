@@ -89,6 +89,7 @@ CHECKS: dict[str, Callable[[str], str | None]] = {"eagle_class_is_last": _eagle_
 class Release:
     variant: str
     measured: bool  # the variant was measured on a GPU for this release (benchmarks/gpu/results/)
+    gpu: str | None = None  # of a release not marked measured: what GPU runs have shown so far
 
 
 @cache
@@ -100,7 +101,7 @@ def table() -> dict[str, Any]:
 
 def releases() -> dict[str, Release]:
     """Each release dynctl has a patch variant for, as written in the table."""
-    return {name: Release(entry["variant"], bool(entry.get("measured", False)))
+    return {name: Release(entry["variant"], bool(entry.get("measured", False)), entry.get("gpu"))
             for name, entry in table()["releases"].items()}
 
 

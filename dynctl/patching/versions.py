@@ -38,8 +38,11 @@ def is_measured(version: str) -> bool:
 
 def unmeasured_note(version: str) -> str | None:
     """What plan, deploy and status say when the patch for `version` was only checked on a CPU."""
-    if not _has_variant(version) or is_measured(version):
+    release = _release(version)
+    if release is None or release.measured:
         return None
+    if release.gpu:
+        return f"patch not measured on a GPU for sglang {version} in full: {release.gpu}"
     return (f"patch not measured on a GPU for sglang {version}: it passes every CPU check, but its "
             f"disabled-step cost and correctness were not measured")
 
