@@ -80,7 +80,8 @@ def _sha(path: Path) -> str | None:
 
 # What the patch reads and writes, for the tests that need no whole tree (unpacking one takes ~2 s).
 PATCH_SUBTREE = ("sglang/srt/server_args.py", "sglang/srt/managers/", "sglang/srt/speculative/",
-                 "sglang/srt/arg_groups/")  # 0.5.19 on: the pipeline and, from 0.5.20, the spec fields
+                 "sglang/srt/arg_groups/",  # 0.5.19 on: the pipeline and, from 0.5.20, the spec fields
+                 "sglang/srt/mem_cache/allocation.py")  # 0.5.16-0.5.18: the spec decode's allocation
 
 
 @pytest.fixture
