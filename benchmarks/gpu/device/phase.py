@@ -649,8 +649,7 @@ class StrictDeploy:
                 self.proc.kill()  # dynctl itself, by its pid; what it started is stopped below
                 self.reader.join(timeout=10)
             op = re.search(r"dynctl ops follow (\S+?)`", self.out)
-            if op:
-                dynctl(self.denv, "ops", "follow", op.group(1), "--host", "strict", timeout=300)
+            dynctl(self.denv, "ops", "follow", op.group(1) if op else "latest", "--host", "strict", timeout=300)
         dynctl(self.denv, "stop", "--host", "strict", "--yes", timeout=120)
 
 
