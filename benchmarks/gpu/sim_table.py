@@ -210,6 +210,8 @@ def release_table() -> dict:
 
     patched = {
         name: ("patched, measured on a GPU" if entry.get("measured") else
+               f'patched, measured in part on a GPU (only with strategy = "patch"; these step costs stand in '
+               f'for it): {entry["gpu"]}' if entry.get("gpu") else
                'patched, not measured on a GPU (strategy = "auto" takes it: no native route before 0.5.14; '
                'these step costs stand in for it)' if before_native(name) else
                'patched, not measured on a GPU (only with strategy = "patch"; these step costs stand in for it)')
