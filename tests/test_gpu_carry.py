@@ -258,3 +258,22 @@ def test_the_check_phase_deploys_the_patch_on_a_release_not_yet_marked_measured(
     assert host.strategy == "patch"
     assert strategy_for("0.5.16", host.strategy) == "patch" != strategy_for("0.5.16", "auto")
     assert host.port == 30004 and "--enable-metrics" not in host.args
+
+
+@pytest.mark.slow
+def test_an_interrupted_deploy_is_followed_to_its_end_and_its_server_stopped(tmp_path, device, demo_box):
+    """What the check phase does when its budget ends in the middle of `dynctl deploy`: SIGINT stops the
+    command but not the operation on the host, so finish() follows that to its end and only then stops
+    the server it started; no server is left holding the GPU for the next call. A simulated host on this
+    machine that takes 4 s to load, interrupted while dynctl waits for it to become ready."""
+    from demo_box import server_pid
+
+    _, load = device
+    phase = load(tmp_path)
+    config = demo_box("0.5.9", via="local", time_scale=1, DYNCTL_SIM_LOAD_SECONDS="4")
+    deploy = phase.StrictDeploy(dict(os.environ, DYNCTL_CONFIG=str(config)), 5, host="box")
+    assert deploy.printed("→ ready", timeout=120), deploy.out
+    deploy.finish()
+    assert "the deploy continues on the host" in deploy.out
+    assert deploy.proc.returncode != 0
+    assert server_pid(config) is None

@@ -622,19 +622,32 @@ class StrictDeploy:
     the server it started is then stopped with `dynctl stop`. A server left running would hold GPU
     memory and a spinning scheduler core into the next call on the same machine."""
 
-    def __init__(self, denv, n):
-        self.denv, self.t, self.out = denv, time.time(), ""
+    def __init__(self, denv, n, host="strict"):
+        self.denv, self.host, self.t, self.out, self.ended = denv, host, time.time(), "", False
+        self.seen = threading.Condition()
         self.proc = subprocess.Popen([sys.executable, "-m", "dynctl", "deploy", "--threshold", str(n), "--yes",
-                                      "--host", "strict"], env=denv, text=True, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT)
+                                      "--host", host], env=dict(denv, PYTHONUNBUFFERED="1"), text=True,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
 
     def _read(self):
-        self.out = self.proc.stdout.read()
+        for line in self.proc.stdout:
+            with self.seen:
+                self.out += line
+                self.seen.notify_all()
         self.proc.wait()
-        say(f"dynctl deploy --host strict -> rc {self.proc.returncode} in {time.time() - self.t:.1f}s: "
+        with self.seen:
+            self.ended = True
+            self.seen.notify_all()
+        say(f"dynctl deploy --host {self.host} -> rc {self.proc.returncode} in {time.time() - self.t:.1f}s: "
             + " | ".join(self.out.strip().splitlines()[-6:])[:900])
+
+    def printed(self, text, timeout):
+        """Whether dynctl's output showed `text` within `timeout` seconds (False once it ended without)."""
+        with self.seen:
+            self.seen.wait_for(lambda: text in self.out or self.ended, timeout=timeout)
+            return text in self.out
 
     def join(self, timeout):
         """The deploy's exit code once it ended within `timeout` seconds, else None."""
@@ -649,8 +662,8 @@ class StrictDeploy:
                 self.proc.kill()  # dynctl itself, by its pid; what it started is stopped below
                 self.reader.join(timeout=10)
             op = re.search(r"dynctl ops follow (\S+?)`", self.out)
-            dynctl(self.denv, "ops", "follow", op.group(1) if op else "latest", "--host", "strict", timeout=300)
-        dynctl(self.denv, "stop", "--host", "strict", "--yes", timeout=120)
+            dynctl(self.denv, "ops", "follow", op.group(1) if op else "latest", "--host", self.host, timeout=300)
+        dynctl(self.denv, "stop", "--host", self.host, "--yes", timeout=120)
 
 
 def deploy_strict(version, m, n, hosts=None):
