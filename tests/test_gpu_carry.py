@@ -277,3 +277,46 @@ def test_an_interrupted_deploy_is_followed_to_its_end_and_its_server_stopped(tmp
     assert "the deploy continues on the host" in deploy.out
     assert deploy.proc.returncode != 0
     assert server_pid(config) is None
+
+
+EXPERIMENT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu" / "experiment_tree.sh"
+
+
+def _tree_tarball(path: Path, files: dict[str, str]) -> None:
+    with tarfile.open(path, "w:xz") as tar:
+        for name, text in files.items():
+            data = text.encode()
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, __import__("io").BytesIO(data))
+
+
+def test_an_experiment_tree_is_the_patched_tree_with_its_diff_carried_as_changed_files(tmp_path, device):
+    """experiment_tree.sh: the files that differ from the pristine tree (the patch's and the experiment's),
+    which phase.py lays over the pristine tree as it does for any tree carried as changed files."""
+    env, load = device
+    carry = tmp_path / "carry"
+    carry.mkdir()
+    pristine = {"sglang/a.py": "x = 1\n", "sglang/b.py": "y = 2\n", "sglang/c.py": "z = 3\n"}
+    patched = dict(pristine, **{"sglang/a.py": "x = 1\npatched = True\n", "sglang/new.py": "n = 0\n"})
+    _tree_tarball(carry / "sglang-9.9-pristine.tar.xz", pristine)
+    _tree_tarball(carry / "sglang-9.9-patched.tar.xz", patched)
+    diff = tmp_path / "exp.diff"
+    diff.write_text("--- patched/sglang/b.py\n+++ exp/sglang/b.py\n@@ -1 +1,2 @@\n y = 2\n+experiment = 1\n")
+    done = subprocess.run(["bash", str(EXPERIMENT), str(carry), "9.9", "exp", str(diff)], text=True,
+                          capture_output=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    with tarfile.open(carry / "sglang-9.9-exp.files.tar.xz") as tar:
+        assert sorted(tar.getnames()) == ["./sglang/a.py", "./sglang/b.py", "./sglang/new.py"]
+    phase = load(carry)
+    phase.extract(str(carry / "sglang-9.9-pristine.tar.xz"), str(env / "pristine"))
+    phase.extract(str(carry / "sglang-9.9-exp.files.tar.xz"), str(env / "exp"), over=str(env / "pristine"))
+    got = {str(p.relative_to(env / "exp")): p.read_text() for p in (env / "exp").rglob("*.py")}
+    assert got == dict(patched, **{"sglang/b.py": "y = 2\nexperiment = 1\n"})
+
+    diff.write_text("--- patched/sglang/b.py\n+++ exp/sglang/b.py\n@@ -1 +1,2 @@\n not there\n+experiment = 1\n")
+    (carry / "sglang-9.9-exp.files.tar.xz").unlink()
+    failed = subprocess.run(["bash", str(EXPERIMENT), str(carry), "9.9", "exp", str(diff)], text=True,
+                            capture_output=True, timeout=60)
+    assert failed.returncode != 0 and "FAILED" in failed.stdout + failed.stderr
+    assert not (carry / "sglang-9.9-exp.files.tar.xz").exists()
