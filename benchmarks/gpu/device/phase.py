@@ -824,8 +824,11 @@ def phase_check(a):
     draft kept warm (`extend`, the release-specific draft-extend code) and a server that `dynctl
     deploy --threshold N` patches and starts with strict memory checks and NaN detection (draft mode
     `auto`); greedy outputs at 2, 0, -1, N and with 0 <-> -1 flips every 0.3 s, scored on the no-spec
-    server; then 1,000 flips under load on the deployed server and `dynctl bench --compare` on it."""
-    envs, m = setup(a.version, ["pristine", "patched"])
+    server; then 1,000 flips under load on the deployed server and `dynctl bench --compare` on it.
+    CHECK_TREE=NAME: the warm server runs the experiment tree NAME (see PROFILE_TREES) instead, with
+    strict memory checks on; the deployed server stays dynctl's own patch."""
+    envs, m = setup(a.version, ["pristine", "patched"] + [t for t in [os.environ.get("CHECK_TREE")]
+                                                          if t and t != "patched"])
     p, p8 = prompts_files()
     n = a.threshold
     denv, deploy = deploy_strict(a.version, m, n)
@@ -836,9 +839,13 @@ def phase_check(a):
 
 
 def _check(a, envs, m, denv, deploy, p, p8, n):
+    tree = os.environ.get("CHECK_TREE") or "patched"
+    warm_env = dict(envs[tree], SGLANG_SPEC_THRESHOLD_DRAFT=os.environ.get("CHECK_DRAFT", "extend"))
+    if tree != "patched":
+        warm_env["SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY"] = "1"
+    say(f"warm server: the {tree} tree" + (" with strict memory checks" if tree != "patched" else ""))
     plan = [Server(f"{a.version}-nospec", 30010, envs["pristine"], common_args(m, False)),
-            Server(f"{a.version}-warm", 30011,
-                   dict(envs["patched"], SGLANG_SPEC_THRESHOLD_DRAFT=os.environ.get("CHECK_DRAFT", "extend")),
+            Server(f"{a.version}-warm", 30011, warm_env,
                    common_args(m, True, ["--speculative-disable-batch-threshold", "2"]))]
     servers = launch_all(plan)
     s, ns = servers.get(f"{a.version}-warm"), servers.get(f"{a.version}-nospec")
