@@ -37,7 +37,7 @@ def is_measured(version: str) -> bool:
 
 
 def unmeasured_note(version: str) -> str | None:
-    """What plan, deploy and status say when the patch for `version` was only checked on a CPU."""
+    """What plan, deploy and status say when the patch for `version` is not marked measured on a GPU."""
     release = _release(version)
     if release is None or release.measured:
         return None
