@@ -9,6 +9,7 @@ is only the temporary folder that $GPU_ENV names.
 from __future__ import annotations
 
 import importlib
+import io
 import json
 import os
 import shutil
@@ -288,7 +289,7 @@ def _tree_tarball(path: Path, files: dict[str, str]) -> None:
             data = text.encode()
             info = tarfile.TarInfo(name)
             info.size = len(data)
-            tar.addfile(info, __import__("io").BytesIO(data))
+            tar.addfile(info, io.BytesIO(data))
 
 
 def test_an_experiment_tree_is_the_patched_tree_with_its_diff_carried_as_changed_files(tmp_path, device):

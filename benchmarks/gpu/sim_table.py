@@ -38,7 +38,6 @@ import os
 import re
 import sys
 import tarfile
-import tomllib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -203,20 +202,20 @@ def build_table(results: dict, results_name: str, run_name: str, prompt_tokens: 
 def release_table() -> dict:
     """Which sglang releases the simulated host serves patched (measured on a GPU or not) or native, from
     patches/variants.toml: the simulator runs the same step costs for every patched release."""
-    with open(os.path.join(REPO, "patches", "variants.toml"), "rb") as f:
-        releases = tomllib.load(f)["releases"]
-    def before_native(name):
-        return tuple(int(x) for x in re.findall(r"\d+", name)[:3]) < (0, 5, 14)
+    sys.path.insert(0, REPO)  # dynctl's own reading of the table and its strategy rule
+    from dynctl.patching.recipe import releases
+    from dynctl.patching.versions import strategy_for
 
-    patched = {
-        name: ("patched, measured on a GPU" if entry.get("measured") else
-               f'patched, measured in part on a GPU (only with strategy = "patch"; these step costs stand in '
-               f'for it): {entry["gpu"]}' if entry.get("gpu") else
-               'patched, not measured on a GPU (strategy = "auto" takes it: no native route before 0.5.14; '
-               'these step costs stand in for it)' if before_native(name) else
-               'patched, not measured on a GPU (only with strategy = "patch"; these step costs stand in for it)')
-        for name, entry in releases.items()
-    }
+    def said(name, release):
+        if release.measured:
+            return "patched, measured on a GPU"
+        taken = ('strategy = "auto" takes it: no native route before 0.5.14' if strategy_for(name) == "patch"
+                 else 'only with strategy = "patch"')
+        if release.gpu:
+            return f"patched, measured in part on a GPU ({taken}; these step costs stand in for it): {release.gpu}"
+        return f"patched, not measured on a GPU ({taken}; these step costs stand in for it)"
+
+    patched = {name: said(name, release) for name, release in releases().items()}
     return {
         "patched": patched,
         "native": ("sglang 0.5.14 and later without a measured patch variant (and any of them with strategy = "

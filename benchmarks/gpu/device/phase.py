@@ -661,8 +661,8 @@ class StrictDeploy:
             if self.join(60) is None:
                 self.proc.kill()  # dynctl itself, by its pid; what it started is stopped below
                 self.reader.join(timeout=10)
-            op = re.search(r"dynctl ops follow (\S+?)`", self.out)
-            dynctl(self.denv, "ops", "follow", op.group(1) if op else "latest", "--host", self.host, timeout=300)
+            # the host runs one operation at a time: the latest is the one this deploy started
+            dynctl(self.denv, "ops", "follow", "latest", "--host", self.host, timeout=300)
         dynctl(self.denv, "stop", "--host", self.host, "--yes", timeout=120)
 
 
@@ -827,19 +827,18 @@ def phase_check(a):
     server; then 1,000 flips under load on the deployed server and `dynctl bench --compare` on it.
     CHECK_TREE=NAME: the warm server runs the experiment tree NAME (see PROFILE_TREES) instead, with
     strict memory checks on; the deployed server stays dynctl's own patch."""
-    envs, m = setup(a.version, ["pristine", "patched"] + [t for t in [os.environ.get("CHECK_TREE")]
-                                                          if t and t != "patched"])
+    tree = os.environ.get("CHECK_TREE") or "patched"
+    envs, m = setup(a.version, ["pristine", "patched"] + ([tree] if tree != "patched" else []))
     p, p8 = prompts_files()
     n = a.threshold
     denv, deploy = deploy_strict(a.version, m, n)
     try:
-        _check(a, envs, m, denv, deploy, p, p8, n)
+        _check(a, envs, m, denv, deploy, p, p8, n, tree)
     finally:
         deploy.finish()
 
 
-def _check(a, envs, m, denv, deploy, p, p8, n):
-    tree = os.environ.get("CHECK_TREE") or "patched"
+def _check(a, envs, m, denv, deploy, p, p8, n, tree):
     warm_env = dict(envs[tree], SGLANG_SPEC_THRESHOLD_DRAFT=os.environ.get("CHECK_DRAFT", "extend"))
     if tree != "patched":
         warm_env["SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY"] = "1"
