@@ -206,6 +206,31 @@ def test_one_connection_for_many_threads_connecting_at_once(sshd: FakeHost):
     assert t.connections_opened == 1
 
 
+def test_commands_that_end_at_once_never_drop_the_shared_connection(sshd: FakeHost):
+    """Our EOF must not follow our CLOSE: sshd drops the whole connection when it reads an EOF for a
+    channel it has freed, and a command that ends before we send our EOF makes that race likely (seen as
+    an EOFError in about one round of twenty on a loaded machine before the EOF was sent in order)."""
+    t = sshd.ssh()
+    logged = sshd.server.log.stat().st_size
+    for _ in range(20):
+        outcomes: list[object] = []
+
+        def one() -> None:
+            try:
+                outcomes.append(t.run(["true"]).rc)
+            except Exception as err:  # noqa: BLE001
+                outcomes.append(err)
+
+        threads = [threading.Thread(target=one) for _ in range(12)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(30)
+        assert outcomes == [0] * 12
+    assert t.connections_opened == 1
+    assert b"nonexistent channel" not in sshd.server.log.read_bytes()[logged:]
+
+
 # ---- unreachable, keys, host keys
 
 

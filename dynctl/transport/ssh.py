@@ -99,7 +99,7 @@ class SSH:
                 if stdin:
                     _feed_in_background(chan, stdin)
                 else:
-                    chan.shutdown_write()
+                    _send_eof(chan)
                 return self._collect(chan, argv, deadline, timeout)
             finally:
                 chan.close()
@@ -219,7 +219,7 @@ class SSHStream:
         if stdin:
             _feed_in_background(chan, stdin)
         else:
-            chan.shutdown_write()
+            _send_eof(chan)
 
     def _drain_stderr(self) -> None:
         with contextlib.suppress(Exception):
@@ -269,12 +269,27 @@ class SSHStream:
             self._release()
 
 
+def _send_eof(chan: paramiko.Channel) -> None:
+    """Our EOF on `chan`, never after our CLOSE.
+
+    paramiko's shutdown_write builds the EOF under the channel's lock but sends it after letting go, so
+    when the command has already ended (`true`), the transport thread can answer sshd's CLOSE with ours
+    in between; sshd then reads an EOF for a channel it has freed and drops the whole connection, with
+    every command sharing it. Sent under the lock, it goes out first, or
+    not at all once the CLOSE has been answered (that sends our EOF itself).
+    """
+    with chan.lock:
+        message = chan._send_eof()  # None once an EOF went out
+        if message is not None and chan.transport is not None:
+            chan.transport._send_user_message(message)
+
+
 def _feed_in_background(chan: paramiko.Channel, data: bytes) -> None:
     """Send stdin from a thread: a remote that writes before it reads must not deadlock against us."""
 
     def feed() -> None:
         with contextlib.suppress(Exception):
             chan.sendall(data)
-            chan.shutdown_write()
+            _send_eof(chan)
 
     threading.Thread(target=feed, name="ssh stdin", daemon=True).start()
