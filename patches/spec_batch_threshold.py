@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Dict, NamedTuple, Optional
+from operator import attrgetter
+from typing import Any, Callable, Dict, NamedTuple, Optional
 
 logger = logging.getLogger(__name__)
 
@@ -153,6 +154,44 @@ def known_seq_lens(draft_input: Any, batch: Any) -> Any:
     if len(batch.seq_lens_cpu) != len(batch.reqs):
         return None
     return batch.seq_lens_cpu + 1
+
+
+# The speculative worker of this process decides each decode step when the scheduler prepares
+# its batch (set_plain_step_decider, once its threshold is armed): a plain-decode step then
+# allocates no KV slots while its requests hold enough of those reserved on earlier steps.
+_plain_step_decider: Optional[Callable[[Any], bool]] = None
+
+
+def set_plain_step_decider(decide: Optional[Callable[[Any], bool]]) -> None:
+    """The worker's per-step decision, called with the ScheduleBatch being prepared: True for
+    a plain-decode step. The worker reuses it for that step (the decision is taken once)."""
+    global _plain_step_decider
+    _plain_step_decider = decide
+
+
+def plain_step_holds_slots(
+    batch: Any,
+    reserve: int,
+    allocated: str = "kv_allocated_len",
+    committed: str = "kv_committed_len",
+) -> bool:
+    """Whether the decode step being prepared is a plain-decode step that needs no new KV slot.
+
+    A speculative step reserves `reserve` slots per request past its committed length
+    (sglang's get_alloc_reserve_per_decode: twice the slots one verify writes); a plain step
+    writes one, at the request's sequence length. The host's committed length may lag that
+    length by the tokens the last verify accepted, reserve // 2 at most, so a request holds
+    the slot a plain step writes when reserve // 2 + 1 slots past its committed length are
+    allocated. `allocated` and `committed` name the request's two lengths (dotted where a
+    release keeps them in a sub-object). When any request holds fewer, the release's own
+    allocation tops every request up as on a speculative step.
+    """
+    decide = _plain_step_decider
+    if decide is None or not decide(batch):
+        return False
+    need = reserve // 2 + 1
+    allocated_len, committed_len = attrgetter(allocated), attrgetter(committed)
+    return all(allocated_len(r) >= committed_len(r) + need for r in batch.reqs)
 
 
 def unsupported_reason(server_args: Any) -> Optional[str]:

@@ -69,7 +69,7 @@ def test_a_release_without_a_native_route_is_patched_unmeasured_and_says_so():
 
 def test_a_release_partly_measured_says_what_its_gpu_runs_showed():
     """A variant not marked measured whose table entry has `gpu`: the warning carries what the GPU runs
-    showed instead of "not measured" (0.5.16 ran on an H200 and was slower than its target)."""
+    showed instead of "not measured" (0.5.16 ran on an H200, measured only in part)."""
     from dynctl.patching.recipe import releases
     from dynctl.patching.versions import unmeasured_note
 

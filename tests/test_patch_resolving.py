@@ -234,11 +234,14 @@ def _worker(version: str, tmp_path: Path, args, bag: _Bag):
     """The patched EAGLEWorkerV2's own arming, decision and adapter methods, on a worker whose models are
     stand-ins (no torch here): what they read of the worker is set below."""
     names = {"_skip_speculation", "_spec_disable_keeps_verify", "_init_spec_disable", "_spec_disable_threshold",
-             "_spec_disable_keeps_recurrent_state", "tp_rank"}
+             "_spec_disable_keeps_recurrent_state", "tp_rank", "_spec_disable_decide_prepared",
+             "_spec_disable_decide_early"}
     methods = [n for n in _definitions(_patched(version, WORKER), {"EAGLEWorkerV2"})[0].body
                if isinstance(n, ast.FunctionDef) and n.name in names]
     assert {n.name for n in methods} == names
+    deciders: list = []  # what the worker hands the policy module's set_plain_step_decider
     namespace = {"__name__": "eagle_worker_v2", "logger": logging.getLogger("eagle_worker_v2"),
+                 "set_plain_step_decider": deciders.append,
                  "unsupported_reason": _reason(version, tmp_path), "get_spec": lambda: bag,
                  "get_parallel": lambda: types.SimpleNamespace(tp_rank=0),
                  "hybrid_arch": types.SimpleNamespace(mambaish_config=lambda model_config: None),
@@ -252,6 +255,7 @@ def _worker(version: str, tmp_path: Path, args, bag: _Bag):
     worker.ps = types.SimpleNamespace(tp_rank=0)  # 0.5.19, 0.5.20: the worker's ParallelState
     worker.target_worker = types.SimpleNamespace(model_runner=_Runner())
     worker._spec_disable_warm_positions = lambda: None
+    worker.deciders = deciders
     return worker
 
 
@@ -274,6 +278,33 @@ def test_decode_steps_above_the_live_threshold_skip_speculation(version: str, tm
     assert steps == [False, False, True, True, True, False]
     assert [r.getMessage() for r in caplog.records] == [
         "Speculation disabled: batch size 6 > threshold 5", "Speculation enabled: batch size 8 <= threshold 8"]
+
+
+@pytest.mark.parametrize("version", ["0.5.19", "0.5.22"])
+def test_a_step_is_decided_once_when_its_batch_is_prepared(version: str, tmp_path: Path,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    worker = _worker(version, tmp_path, _args(enable_metrics_for_all_schedulers=False), _Bag())
+    with caplog.at_level(logging.INFO, logger="eagle_worker_v2"):
+        worker._init_spec_disable()
+        # armed: the worker's prepare-time decision is what the batch's KV allocation asks
+        assert worker.deciders == [worker._spec_disable_decide_prepared]
+        batch = _decode(6)
+        assert worker.deciders[0](batch) is True and batch._spec_disable_plain is True
+        # the scheduler's resolve reads it back, without a second decision (one transition, one step)
+        assert worker._spec_disable_decide_early(batch) is True
+        assert worker._spec_disable_policy.disabled_steps == 1
+        # a batch nobody prepared is decided when it is resolved
+        fresh = _decode(3)
+        assert worker._spec_disable_decide_early(fresh) is False and fresh._spec_disable_plain is False
+    assert [r.getMessage() for r in caplog.records] == [
+        "Speculation disabled: batch size 6 > threshold 5", "Speculation enabled: batch size 3 <= threshold 5"]
+
+
+@pytest.mark.parametrize("version", ["0.5.19", "0.5.22"])
+def test_a_server_that_cannot_arm_hands_no_decider_to_the_allocation(version: str, tmp_path: Path) -> None:
+    worker = _worker(version, tmp_path, _args({"enable_lora": True}, enable_metrics_for_all_schedulers=False), _Bag())
+    worker._init_spec_disable()
+    assert worker.deciders == []
 
 
 @pytest.mark.parametrize("version", ["0.5.19", "0.5.22"])

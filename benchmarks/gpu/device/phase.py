@@ -819,6 +819,11 @@ def soak(s, denv, n, flips):
     json.dump({"flips": done, "flip_errors": errs, "load": row}, open(os.path.join(RES, "soak.json"), "w"))
 
 
+# What the check needs to reach its flips on a fresh machine: models and JIT ~85 s, two servers ~130 s
+# with the deploy beside them (~140 s), then the teacher-forced runs and the deploy's 200 s of flips.
+CHECK_BUDGET_S = 450
+
+
 def phase_check(a):
     """Correctness on a release (e.g. 0.5.11, the 0.5.8 compat family): the patched tree with the
     draft kept warm (`extend`, the release-specific draft-extend code) and a server that `dynctl
@@ -826,7 +831,11 @@ def phase_check(a):
     `auto`); greedy outputs at 2, 0, -1, N and with 0 <-> -1 flips every 0.3 s, scored on the no-spec
     server; then 1,000 flips under load on the deployed server and `dynctl bench --compare` on it.
     CHECK_TREE=NAME: the warm server runs the experiment tree NAME (see PROFILE_TREES) instead, with
-    strict memory checks on; the deployed server stays dynctl's own patch."""
+    strict memory checks on; the deployed server stays dynctl's own patch. CHECK_STRICT=1: strict memory
+    checks on the warm server whatever its tree."""
+    if BUDGET < CHECK_BUDGET_S:
+        say(f"PHASE_BUDGET_S={BUDGET:.0f} is below the {CHECK_BUDGET_S} s the check takes on a fresh machine: "
+            f"the deploy, its flips and its bench will be cut")
     tree = os.environ.get("CHECK_TREE") or "patched"
     envs, m = setup(a.version, ["pristine", "patched"] + ([tree] if tree != "patched" else []))
     p, p8 = prompts_files()
@@ -840,9 +849,10 @@ def phase_check(a):
 
 def _check(a, envs, m, denv, deploy, p, p8, n, tree):
     warm_env = dict(envs[tree], SGLANG_SPEC_THRESHOLD_DRAFT=os.environ.get("CHECK_DRAFT", "extend"))
-    if tree != "patched":
+    strict_warm = tree != "patched" or os.environ.get("CHECK_STRICT") == "1"
+    if strict_warm:
         warm_env["SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY"] = "1"
-    say(f"warm server: the {tree} tree" + (" with strict memory checks" if tree != "patched" else ""))
+    say(f"warm server: the {tree} tree" + (" with strict memory checks" if strict_warm else ""))
     plan = [Server(f"{a.version}-nospec", 30010, envs["pristine"], common_args(m, False)),
             Server(f"{a.version}-warm", 30011, warm_env,
                    common_args(m, True, ["--speculative-disable-batch-threshold", "2"]))]
