@@ -54,3 +54,21 @@ def finishes(call: Callable[[], T], timeout: float = 60.0, what: str = "the call
     if "error" in outcome:
         raise outcome["error"]
     return outcome["value"]
+
+
+def at_once(call: Callable[[], T], n: int, timeout: float = 30.0) -> list[Any]:
+    """`call()` in `n` threads started together: each one's value or exception, in the order they ended."""
+    outcomes: list[Any] = []
+
+    def one() -> None:
+        try:
+            outcomes.append(call())
+        except Exception as err:  # noqa: BLE001 - reported with the others
+            outcomes.append(err)
+
+    threads = [threading.Thread(target=one) for _ in range(n)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout)
+    return outcomes

@@ -8,10 +8,10 @@ import random
 import shutil
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
+from polling import at_once
 
 from dynctl.agent import archive
 from dynctl_agent import verbs
@@ -88,20 +88,7 @@ def zipfile_names(data: bytes) -> list[str]:
 def test_concurrent_uploads_leave_one_whole_agent(tmp_path):
     """Two clients uploading the same agent at once: both calls answer, one complete copy is in place and
     no temporary unpacking is left behind."""
-    results: list[object] = []
-
-    def call() -> None:
-        try:
-            results.append(make_agent(tmp_path).call("ping")["pong"])
-        except Exception as err:  # reported below with the others
-            results.append(err)
-
-    threads = [threading.Thread(target=call) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert results == [True] * 4
+    assert at_once(lambda: make_agent(tmp_path).call("ping")["pong"], 4, timeout=120) == [True] * 4
     folder = tmp_path / "work" / "agent"
     assert sorted(p.name for p in folder.iterdir()) == [archive.agent_digest()]
     for name, data in archive.agent_files().items():

@@ -10,19 +10,14 @@ not here, and a plain step that holds its slots must not need it.
 from __future__ import annotations
 
 import ast
-import functools
 import re
 import sys
 import types
-import zipfile
+from operator import attrgetter
 
 import pytest
-from sglang_trees import sglang_wheel
 from test_patch_policy import load_module
-
-from dynctl.patching.engine import plan_patch
-from dynctl.patching.recipe import recipes
-from dynctl.patching.versions import variant_for
+from test_patch_resolving import _patched, _wheel_text
 
 RELEASES = ["0.5.14", "0.5.15", "0.5.16", "0.5.18", "0.5.19", "0.5.22", "0.5.23"]
 RESERVE = 8  # get_alloc_reserve_per_decode(): twice the 4 slots one verify writes
@@ -45,16 +40,6 @@ def _path(version: str) -> str:
     return "srt/speculative/eagle_info_v2.py" if version == "0.5.14" else "srt/speculative/eagle_utils.py"
 
 
-@functools.cache
-def _texts(version: str) -> tuple[str, str]:
-    """The release's prepare file as released and as patched."""
-    with zipfile.ZipFile(sglang_wheel(version)) as wheel:
-        originals = {r.path: wheel.read(f"sglang/{r.path}").decode() for r in recipes(variant_for(version))}
-    plan = plan_patch(version, {**originals, "srt/speculative/spec_batch_threshold.py": None})
-    path = _path(version)
-    return originals[path], next(c.after for c in plan.changes if c.path == path)
-
-
 def _prepare_node(text: str) -> ast.FunctionDef:
     tree = ast.parse(text)
     for node in tree.body:
@@ -68,12 +53,9 @@ def _prepare_node(text: str) -> ast.FunctionDef:
 def _layout(version: str) -> tuple[str, str, bool]:
     """Where the release's own allocation keeps a request's allocated and committed lengths, and whether
     it pre-claims the bonus slot in the committed length (read from the unpatched source)."""
-    original = _texts(version)[0]
-    with zipfile.ZipFile(sglang_wheel(version)) as wheel:
-        names = wheel.namelist()
-        sizing = "sglang/srt/mem_cache/allocation_sizing.py"
-        if sizing in names:  # 0.5.19 on: the loop moved into page_aligned_decode_alloc_lens
-            original += wheel.read(sizing).decode()
+    original = _wheel_text(version, _path(version))
+    if "page_aligned_decode_alloc_lens(" in original:  # 0.5.19 on: the loop moved into it
+        original += _wheel_text(version, "srt/mem_cache/allocation_sizing.py")
     allocated = re.search(r"cur = r\.((?:kv\.)?kv_allocated_len)", original).group(1)
     committed = re.search(r"\br\.((?:kv\.)?kv_committed_len) \+ (?:double_alloc|reserve)", original).group(1)
     claims = "r.kv_committed_len += 1" in ast.unparse(_prepare_node(original))
@@ -114,7 +96,7 @@ def policy(monkeypatch):
 
 
 def _prepare(version: str):
-    node = _prepare_node(_texts(version)[1])
+    node = _prepare_node(_patched(version, _path(version)))
     node.decorator_list = []
     namespace = {"__name__": "prepare", "torch": _NoTorch(), "get_alloc_reserve_per_decode": lambda: RESERVE,
                  "page_aligned_decode_alloc_lens": _allocates}
@@ -137,7 +119,7 @@ def test_a_plain_step_whose_requests_hold_their_slots_allocates_nothing(version,
     batch = _batch(reqs)
     assert _prepare(version)(batch) is None
     assert asked == [batch]
-    lengths = [(_get(r, allocated), _get(r, committed), r.decode_batch_idx) for r in reqs]
+    lengths = [(attrgetter(allocated)(r), attrgetter(committed)(r), r.decode_batch_idx) for r in reqs]
     bonus = 1 if claims else 0  # 0.5.14 claims the bonus slot here, later releases when they resolve
     assert lengths == [(105, 100 + bonus, 1), (57, 40 + bonus, 1)]
 
@@ -170,8 +152,3 @@ def test_the_policy_asks_for_half_the_reserve_and_one_slot_more():
     reqs[0].kv_allocated_len = 30
     assert not policy.plain_step_holds_slots(batch, RESERVE)
 
-
-def _get(req, name: str) -> int:
-    for part in name.split("."):
-        req = getattr(req, part)
-    return req

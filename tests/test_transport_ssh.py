@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from polling import finishes, wait_for
+from polling import at_once, finishes, wait_for
 from ssh_tunnel import forward_local, open_channel
 from sshd_harness import FakeHost, connection_owner, free_port
 
@@ -189,20 +189,7 @@ def test_reconnects_when_the_drop_is_not_yet_noticed(sshd_factory):
 
 def test_one_connection_for_many_threads_connecting_at_once(sshd: FakeHost):
     t = sshd.ssh()
-    outcomes: list[object] = []
-
-    def one() -> None:
-        try:
-            outcomes.append(t.run(["true"]).rc)
-        except Exception as err:  # noqa: BLE001
-            outcomes.append(err)
-
-    threads = [threading.Thread(target=one) for _ in range(12)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(30)
-    assert outcomes == [0] * 12
+    assert at_once(lambda: t.run(["true"]).rc, 12) == [0] * 12
     assert t.connections_opened == 1
 
 
@@ -213,20 +200,7 @@ def test_commands_that_end_at_once_never_drop_the_shared_connection(sshd: FakeHo
     t = sshd.ssh()
     logged = sshd.server.log.stat().st_size
     for _ in range(20):
-        outcomes: list[object] = []
-
-        def one() -> None:
-            try:
-                outcomes.append(t.run(["true"]).rc)
-            except Exception as err:  # noqa: BLE001
-                outcomes.append(err)
-
-        threads = [threading.Thread(target=one) for _ in range(12)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(30)
-        assert outcomes == [0] * 12
+        assert at_once(lambda: t.run(["true"]).rc, 12) == [0] * 12
     assert t.connections_opened == 1
     assert b"nonexistent channel" not in sshd.server.log.read_bytes()[logged:]
 
