@@ -218,6 +218,27 @@ def test_a_second_call_on_a_warm_machine_returns_only_its_own_rows(phase, monkey
     assert json.loads((out / "run-speed-0.5.12.post1.json").read_text())["run_id"] == "B-2"
 
 
+def test_two_phases_in_one_call_keep_apart_by_their_tags(phase, monkeypatch, tmp_path):
+    """`a; b` in one device call: with PHASE_TAG each phase's files in $OUT are its own, not overwritten."""
+    models = tmp_path / "models"
+    write_model(models, BIG)
+    out = Path(phase.os.environ["OUT"])
+    monkeypatch.setenv("PHASE_TAG", "first")
+    device_call(phase, monkeypatch, models, "0.5.14", "A-1", LABELS[:2], scale=2.0)
+    monkeypatch.setenv("PHASE_TAG", "5.9b")
+    device_call(phase, monkeypatch, models, "0.5.14", "B-2", LABELS[2:4], scale=1.0)
+    for tag, run_id, labels in (("first", "A-1", LABELS[:2]), ("5.9b", "B-2", LABELS[2:4])):
+        sweeps = json.loads((out / f"sweeps-speed-0.5.14-{tag}.json").read_text())
+        assert sorted(sweeps) == sorted(labels)
+        assert {r["run_id"] for rows in sweeps.values() for r in rows} == {run_id}
+        with tarfile.open(out / f"results-speed-0.5.14-{tag}.tar.gz") as t:
+            assert json.load(t.extractfile("results/run.json"))["run_id"] == run_id
+    assert not (out / "sweeps-speed-0.5.14.json").exists()
+    monkeypatch.setenv("PHASE_TAG", "../x")
+    with pytest.raises(SystemExit, match="PHASE_TAG='../x'"):
+        phase.finish("speed", "0.5.14")
+
+
 def test_the_first_call_rows_left_in_place_would_be_refused(phase, monkeypatch, tmp_path):
     """What the warm machine used to return (a previous call's sweeps next to this call's) is refused."""
     models = tmp_path / "models"

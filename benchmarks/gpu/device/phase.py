@@ -23,6 +23,10 @@ sweeps-<phase>-<version>.json, run-<phase>-<version>.json); `summarize.py` turns
 benchmarks/gpu/results/<version>.json. Each call starts from an empty results folder and empty server
 logs (a warm machine's previous ones move to $GPU_ENV/previous/) and stamps every sweep row with its run
 id, phase, release and the target's shape (runinfo.py), which summarize.py checks.
+
+Two phases in one call (`a; b`, each with its own PHASE_BUDGET_S) name their files apart with
+PHASE_TAG (e.g. PHASE_TAG=5.9b: results-profile-0.5.16-5.9b.tar.gz): the second one's start moves the
+first one's results folder aside, after the first has bundled it into $OUT.
 """
 import argparse
 import glob
@@ -1349,11 +1353,19 @@ def phase_imports(a):
         raise SystemExit(1)
 
 
+def out_tag(phase, version):
+    """How this phase's files in $OUT are named: phase, release and PHASE_TAG where given."""
+    extra = os.environ.get("PHASE_TAG", "")
+    if not re.fullmatch(r"[A-Za-z0-9._]*", extra):
+        raise SystemExit(f"PHASE_TAG={extra!r}: letters, digits, '.' and '_' only (it names files in $OUT)")
+    return f"{phase}-{version}" + (f"-{extra}" if extra else "")
+
+
 def finish(phase, version):
     out = os.environ.get("OUT")
     if not out:
         return
-    tag = f"{phase}-{version}"
+    tag = out_tag(phase, version)
     sweeps = {os.path.basename(f)[6:-5]: json.load(open(f)) for f in glob.glob(os.path.join(RES, "sweep-*.json"))}
     json.dump(sweeps, open(os.path.join(out, f"sweeps-{tag}.json"), "w"))
     json.dump(RUN, open(os.path.join(RES, "run.json"), "w"))
@@ -1390,7 +1402,7 @@ def main():
     RUN.update(phase=a.phase, sglang=a.version)
     global SUMMARY_FILE
     if os.environ.get("OUT"):
-        SUMMARY_FILE = os.path.join(os.environ["OUT"], f"summary-{a.phase}-{a.version}.txt")
+        SUMMARY_FILE = os.path.join(os.environ["OUT"], f"summary-{out_tag(a.phase, a.version)}.txt")
     say(f"run {RUN['run_id']}: phase {a.phase}, sglang {a.version}")
     fresh_results()
     json.dump(RUN, open(os.path.join(RES, "run.json"), "w"))
