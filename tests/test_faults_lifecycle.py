@@ -32,6 +32,7 @@ from dynctl.core import lifecycle
 from dynctl.agent.client import AgentError
 from dynctl.base.errors import OperationFailed, PreflightError
 from dynctl.live.server_status import sample_server
+from dynctl_agent import servers
 from lifecycle_harness import Box, alive, box, listening, make_box, wait_for  # noqa: F401 - box is a fixture
 from sshd_harness import free_port
 from demo_box import dynctl, server_info, server_pid, session, start_baseline, tree_sha256
@@ -174,6 +175,69 @@ def test_status_of_an_unmanaged_launcher_is_down_and_names_it(box: Box, tmp_path
     snap = sample_server(box.agent)
     assert (snap.state, snap.pid) == ("down", None)
     assert snap.not_ours and f"pid {stranger.pid}" in snap.not_ours and "dynctl did not start it" in snap.not_ours
+
+
+# ---------------------------------------------------------------- a start cut short between spawn and record
+
+
+def cut_short(box: Box, rec: dict) -> None:
+    """Leave the pidfile as an agent killed during its start leaves it: the record written ahead of the spawn."""
+    (box.workdir / "server.json").write_text(json.dumps(servers.spawn_record(rec)))
+
+
+def test_a_server_whose_start_was_cut_short_after_the_spawn_is_still_ours(box: Box):
+    started = box.start_ready("--children")
+    kids = box.children()
+    rec = box.pidfile()
+    cut_short(box, rec)
+
+    state = lifecycle.find_server(box.agent)
+    assert (state.state, state.pid, state.source) == ("ready", started["pid"], "pidfile")
+    assert state.unmanaged == () and state.not_ours is None and state.leftovers == ()
+    assert "spawning" in box.pidfile()  # status only reads
+
+    again = box.start("--children")  # what the client sends again once its connection is back
+    assert again["already_running"] and again["pid"] == started["pid"]
+    done = box.pidfile()
+    assert "spawning" not in done and done["found_by_marker"]
+    assert {k: done[k] for k in ("pid", "pid_start", "pgid", "sid", "marker", "argv", "log_offset")} == \
+        {k: rec[k] for k in ("pid", "pid_start", "pgid", "sid", "marker", "argv", "log_offset")}
+    assert [r["pid"] for r in box.journal() if r["event"] == "start.found"] == [started["pid"]]
+
+    result = lifecycle.stop_server(box.agent, grace=10, on_event=box.events.append)
+    assert result["pid"] == started["pid"] and not alive(started["pid"])
+    wait_for(lambda: not any(alive(p) for p in kids.values()), what="the server's children to be swept")
+
+
+def test_a_start_cut_short_before_the_spawn_leaves_nothing_in_the_way(box: Box):
+    box.start_ready()
+    lifecycle.stop_server(box.agent, grace=10)
+    rec = {k: v for k, v in box.pidfile().items() if k != "stopped"}
+    cut_short(box, dict(rec, marker="0" * 32))  # a marker no process carries: the spawn never happened
+
+    state = lifecycle.find_server(box.agent)
+    assert (state.state, state.pid, state.not_ours, state.leftovers) == ("down", None, None, ())
+    assert state.pidfile.startswith("spawning: no process of the start recorded at")
+    ready = box.start_ready()
+    assert ready["pid"] != rec["pid"] and alive(ready["pid"]) and "spawning" not in box.pidfile()
+
+
+def test_the_children_of_a_cut_short_start_whose_launcher_died_are_swept_not_claimed(box: Box):
+    started = box.start_ready("--children")
+    kids = box.children()
+    cut_short(box, box.pidfile())
+    os.kill(started["pid"], signal.SIGKILL)
+    wait_for(lambda: not alive(started["pid"]), what="the launcher to go")
+
+    state = lifecycle.find_server(box.agent)  # the child that left for its own session is not the launcher
+    assert (state.state, state.pid) == ("down", None)
+    assert sorted(p["pid"] for p in state.leftovers) == sorted(kids.values()) and state.not_ours is None
+    with pytest.raises(AgentError, match="processes of the previous server are still alive") as err:
+        box.start("--children")
+    assert err.value.exit_code == 3
+    result = lifecycle.stop_server(box.agent, grace=5)
+    assert sorted(p["pid"] for p in result["swept"]) == sorted(kids.values())
+    assert not any(alive(p) for p in kids.values())
 
 
 # ---------------------------------------------------------------- start / restart keep the release's argv

@@ -178,7 +178,7 @@ def check_loads(server, client):
                 if busy["loads"][0]["num_running_reqs"] or time.monotonic() > deadline:
                     break
     [rank] = busy["loads"]
-    assert rank["num_running_reqs"] == 1 and busy["aggregate"]["total_reqs"] == 1
+    assert rank["num_running_reqs"] == 1 and busy["aggregate"]["total_reqs"] == 1, (busy, server.log[-3000:])
     assert "queues" not in rank and "disaggregation" not in rank  # only the sections asked for
     bad = client.get("/v1/loads", params={"include": "core,bogus"})
     assert bad.status_code == 400 and "bogus" in bad.json()["detail"]

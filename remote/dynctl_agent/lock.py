@@ -23,7 +23,7 @@ def host_lock(ctx, operation, op=None, best_effort=False):
     ctx.ensure_workdir()
     path = ctx.path("lock")
     held = store.read_json(path) or {}
-    if held.get("pid") == os.getpid() and held.get("pid_start") == procfs.start_time(os.getpid()):
+    if _mine(held):
         yield held
         return
     me = {
@@ -110,6 +110,15 @@ def hangup_shield(*also):
     finally:
         for sig, handler in zip(sigs, old):
             signal.signal(sig, handler)
+
+
+def _mine(holder):
+    return holder.get("pid") == os.getpid() and holder.get("pid_start") == procfs.start_time(os.getpid())
+
+
+def held_here(ctx):
+    """This process holds the host lock."""
+    return _mine(store.read_json(ctx.path("lock")) or {})
 
 
 def live_holder(ctx):

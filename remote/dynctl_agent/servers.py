@@ -1,9 +1,9 @@
 """Who is the server: the one decision (locate) about what runs on our port, ours or not, and its state.
 
 The server is started in its own session with a marker in its environment, so everything it spawns
-# can be found again -- children that setsid() away, orphans that outlive it -- without ever matching
-# a process by name. Every kill is of a (pid, start time) pair collected from that server, so a
-# recycled pid is never signalled. Zombies count as gone.
+can be found again -- children that setsid() away, orphans that outlive it -- without ever matching
+a process by name. Every kill is of a (pid, start time) pair collected from that server, so a
+recycled pid is never signalled. Zombies count as gone.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import getpass
 import os
 
 from dynctl.base import hostspec, sglang
-from dynctl_agent import httpclient, launchconfig, procfs, releases, store
+from dynctl_agent import httpclient, launchconfig, lock, procfs, releases, store
 from dynctl_agent.protocol import AgentError
 
 PIDFILE = store.PIDFILE
@@ -163,6 +163,47 @@ def write_pidfile(ctx, record):
     store.write_json_atomic(ctx.path(PIDFILE), record)
 
 
+# What only the live process can tell: absent from the record a start writes before it spawns.
+_SPAWNED_FIELDS = ("pid", "pid_start", "pgid", "sid")
+
+
+def spawn_record(record):
+    """The pidfile a start writes before it spawns `record`'s server: everything but the pid (and what comes with
+    it), marked "spawning". An agent that dies between the spawn and the full record leaves this behind, and
+    the marker in it finds the server again (locate), so the server stays ours."""
+    ahead = {k: v for k, v in record.items() if k not in _SPAWNED_FIELDS}
+    ahead["spawning"] = record.get("started") or store.now_iso()
+    return ahead
+
+
+def _complete_spawn(ctx, table, rec):
+    """A "spawning" record: the server its start spawned, found by the record's marker, as the full record.
+
+    The launcher is the first-started live process of ours that carries the marker, leads its own session (the
+    start spawns it so) and runs the recorded argv; a child that left for a session of its own does not run
+    that argv. Returns (record, leftovers): the completed record (written back while this process holds the
+    host lock, so the verbs that read the pidfile see it; status only reads), or the record as it was and
+    the marker's processes when the launcher is gone or never ran."""
+    marker = rec.get("marker")
+    carriers = {p: st for p, st in table.items() if marker and st["state"] not in ("Z", "X")
+                and p != os.getpid() and has_marker(p, marker) and procfs.owned_by_us(p)}
+    lead = next((p for p in sorted(carriers, key=lambda p: carriers[p]["start"]) if carriers[p]["sid"] == p
+                 and argv_matches(procfs.cmdline(p), rec.get("argv") or [])), None)
+    if lead is None:
+        return rec, {p: st["start"] for p, st in carriers.items()}
+    st = carriers[lead]
+    full = {k: v for k, v in rec.items() if k != "spawning"}
+    full.update(pid=lead, pid_start=st["start"], pgid=st["pgid"], sid=st["sid"], found_by_marker=store.now_iso())
+    if lock.held_here(ctx):
+        try:
+            write_pidfile(ctx, full)
+        except OSError:
+            pass  # the record in memory is the same; the next verb under the lock writes it again
+        else:
+            store.journal(ctx, "start.found", pid=lead, marker=marker, spawning=rec.get("spawning"))
+    return full, {}
+
+
 def mark_pidfile(ctx, server, **fields):
     rec = read_pidfile(ctx)
     if rec and server and rec.get("pid") == server["pid"]:
@@ -222,7 +263,12 @@ def locate(ctx):
     """
     rec = read_pidfile(ctx) or None
     table = procfs.table()
-    server, note = None, "absent"
+    server, note, orphans = None, "absent", {}
+    if rec and rec.get("spawning") and not rec.get("pid") and not rec.get("stopped"):
+        rec, orphans = _complete_spawn(ctx, table, rec)
+        if not rec.get("pid"):
+            note = "spawning: no process of the start recorded at %s runs%s" % (
+                rec["spawning"], " but its children (pids %s)" % ", ".join(map(str, sorted(orphans))) if orphans else "")
     if rec and rec.get("pid"):
         pid = int(rec["pid"])
         st = table.get(pid)
@@ -239,7 +285,7 @@ def locate(ctx):
             note = "ok"
             server = dict(pid=pid, start=st["start"], sid=st["sid"], source="pidfile",
                           marker=rec.get("marker"), argv=procfs.cmdline(pid))
-    leftovers = _leftovers(table, rec) if rec and rec.get("pid") and server is None else {}
+    leftovers = _leftovers(table, rec) if rec and rec.get("pid") and server is None else orphans
     if server is None:
         server = adopted_in_place(ctx, table)
     live = {p: st for p, st in table.items() if st["state"] not in ("Z", "X") and p not in leftovers}

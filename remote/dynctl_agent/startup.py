@@ -70,12 +70,23 @@ def start_server(ctx, argv, env=None, release=None, launch=None):
     cwd = home if os.path.isdir(home) else ctx.workdir  # relative paths in args resolve as in a login shell
     if launch and launch.get("cwd") and os.path.isdir(launch["cwd"]):
         cwd = launch["cwd"]
+    previous = servers.read_pidfile(ctx)
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     with os.fdopen(fd, "ab") as log:
         log.write(("==== dynctl start %s by %s release=%s argv=%s\n"
                    % (store.now_iso(), ctx.who, release, json.dumps(sglang.redact_argv(argv)))).encode())
         log.flush()
-        offset = log.tell()
+        record = {"argv": argv, "port": ctx.port, "started": store.now_iso(), "release": release, "marker": marker,
+                  "log": log_path, "log_offset": log.tell(), "env": env, "who": ctx.who}
+        if launch:
+            record["adopted_launch"] = launch.get("adopted")
+        # Recorded before the spawn: an agent killed between the spawn and the full record leaves a server
+        # that its marker still finds as ours, never one that looks like a stranger's.
+        try:
+            servers.write_pidfile(ctx, servers.spawn_record(record))
+        except OSError as err:
+            raise AgentError("cannot record the new server in %s: %s; nothing was started"
+                             % (ctx.path(servers.PIDFILE), err.strerror or err), "preflight")
         try:
             # own session: not tied to the SSH channel, killable as a whole; stdin closed so
             # nothing waits on us, stdout/stderr to the log so sshd sees EOF at once
@@ -83,25 +94,32 @@ def start_server(ctx, argv, env=None, release=None, launch=None):
                                     env=full_env, cwd=cwd, start_new_session=True,
                                     close_fds=True)
         except OSError as err:
+            _restore_pidfile(ctx, previous)
             store.journal(ctx, "start.failed", argv=argv, error=str(err))
             raise AgentError("cannot start %s on %s: %s" % (argv[0], ctx.name, err.strerror or err), "preflight")
     st = procfs.stat(proc.pid) or {}
-    record = {"pid": proc.pid, "pid_start": st.get("start"), "pgid": st.get("pgid"), "sid": st.get("sid"),
-              "argv": argv, "port": ctx.port, "started": store.now_iso(), "release": release, "marker": marker,
-              "log": log_path, "log_offset": offset, "env": env, "who": ctx.who}
-    if launch:
-        record["adopted_launch"] = launch.get("adopted")
+    record.update(pid=proc.pid, pid_start=st.get("start"), pgid=st.get("pgid"), sid=st.get("sid"))
     try:
         servers.write_pidfile(ctx, record)
-    except OSError as err:  # a server dynctl cannot find again is one it cannot stop: end it while it is provably ours
-        with contextlib.suppress(OSError):
+    except OSError as err:  # the spawning record would find it again, but a start that cannot write its record
+        with contextlib.suppress(OSError):  # has no room for what follows: end it while it is provably ours
             os.killpg(proc.pid, signal.SIGKILL)  # its own session and group: it and whatever it forked so far
         proc.wait()
+        _restore_pidfile(ctx, previous)
         raise AgentError("cannot record the new server in %s: %s; it was stopped again at once (pid %d), so nothing "
                          "was started" % (ctx.path(servers.PIDFILE), err.strerror or err, proc.pid), "preflight")
     ctx.changed = True
     store.journal(ctx, "start.spawned", pid=proc.pid, argv=argv, release=release, env_keys=sorted(env))
     return dict(record, already_running=False)
+
+
+def _restore_pidfile(ctx, previous):
+    """Put back the pidfile a start found (or none) when its spawn did not happen after all."""
+    with contextlib.suppress(OSError):
+        if previous is None:
+            os.unlink(ctx.path(servers.PIDFILE))
+        else:
+            servers.write_pidfile(ctx, previous)
 
 
 # -- readiness
@@ -175,8 +193,12 @@ def wait_ready(ctx, ready_timeout=900.0, generate=True, poll=0.05):
     """Yield progress until the server answers ({"type": "log" | "warning" | "waiting", ...}); the last item is
     {"type": "ready", ...} or {"type": "failed", ...}."""
     rec = servers.read_pidfile(ctx)
+    if rec and rec.get("spawning"):  # its start was cut short: the marker finds what it spawned
+        rec = servers.locate(ctx)["record"]
     if not rec or not rec.get("pid") or rec.get("stopped"):
-        why = "the last server was stopped at %s" % rec["stopped"] if rec and rec.get("stopped") else "no pidfile"
+        why = "the last server was stopped at %s" % rec["stopped"] if rec and rec.get("stopped") else (
+            "the start recorded at %s spawned nothing that runs" % rec["spawning"] if rec and rec.get("spawning")
+            else "no pidfile")
         yield {"type": "failed", "reason": "not started", "message": "no server is starting in %s (%s)"
                % (ctx.workdir, why), "log_tail": []}
         return
