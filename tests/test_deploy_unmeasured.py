@@ -76,5 +76,9 @@ def test_a_release_partly_measured_says_what_its_gpu_runs_showed():
     gpu = releases()["0.5.16"].gpu
     assert gpu and "0.5.16-1.2b-steady.json" in gpu
     assert unmeasured_note("0.5.16") == f"patch not measured on a GPU for sglang 0.5.16 in full: {gpu}"
+    for version in ("0.5.15", "0.5.15.post1"):  # two releases of one variant, each with its own runs
+        gpu = releases()[version].gpu
+        assert gpu and f"{version}-5.9b-steady.json" in gpu and f"{version}-1.2b-steady.json" in gpu
+        assert unmeasured_note(version) == f"patch not measured on a GPU for sglang {version} in full: {gpu}"
     assert unmeasured_note("0.5.17").endswith("its disabled-step cost and correctness were not measured")
     assert unmeasured_note("0.5.14") is None
