@@ -282,6 +282,12 @@ def check_lean_plain_step_schedule_batch(texts: dict[str, str]) -> None:
     assert prepare.index("nxt_kv_lens_cpu = torch.tensor(") < prepare.index(
         "cur_kv_lens_cpu, nxt_kv_lens_cpu = (cur_kv_lens_cpu.pin_memory(), nxt_kv_lens_cpu.pin_memory())") < (
         prepare.index("cur_kv_lens_device = cur_kv_lens_cpu.to(device=batch.device, non_blocking=True)"))
+    # the step hands the FutureMap the sampler's tensor (int64 when greedy, the buffer's dtype), and the
+    # scheduler the int32 tokens a verify gives
+    step = ast.unparse(_method(_class(ast.parse(texts["srt/speculative/eagle_worker_v2.py"]), "EAGLEWorkerV2"),
+                               "_forward_batch_generation_no_spec"))
+    assert step.index("sampled = result.next_token_ids") < step.index("tokens = sampled.to(torch.int32)") < (
+        step.index("next_draft = EagleDraftInput(bonus_tokens=sampled)"))
     cls = _class(ast.parse(texts["srt/managers/scheduler.py"]), "Scheduler")
     init = ast.unparse(_method(cls, "__init__"))
     assert init.index("self.init_overlap()") < init.index(

@@ -12,7 +12,11 @@ microseconds of CPU per decode step:
 - `inclusive`: per function (`Class.method (file)`), the CPU time of the samples with it on the stack;
 - `self`: the leaf frames' time;
 - for every label against `--base`: the inclusive functions whose time differs most;
-- with `--children Scheduler.run_batch`: per file, the time of each function that FUNC calls.
+- with `--children Scheduler.run_batch`: per file, the time of each function that FUNC calls;
+- with `--lines FUNC`: per source line of FUNC (and the function that line calls), its time;
+- with `--busy`: samples inside `Event.synchronize` left out, so that what remains is the host's work
+  per step and not its wait for the GPU (the two servers' busy time differs by what the step costs
+  when the host bounds it).
 """
 import argparse
 import glob
@@ -29,13 +33,38 @@ def frames(stack):
     return [re.sub(r":\d+\)$", ")", f) for f in stack.split(";") if f]
 
 
-def load(path):
+WAIT = "Event.synchronize (torch/cuda/streams.py)"
+
+
+def load(path, busy=False):
     samples = []
     for line in open(path, errors="replace"):
         stack, _, count = line.rstrip("\n").rpartition(" ")
         if stack and count.isdigit():
-            samples.append((frames(stack), int(count)))
+            fr = frames(stack)
+            if not (busy and WAIT in fr):
+                samples.append((fr, int(count)))
     return samples
+
+
+def lines(path, steps, func, busy=False):
+    """CPU per step of each source line of `func` ('Class.method'), keyed 'LINE -> callee'."""
+    us = 1e6 / RATE_HZ / max(1, steps)
+    out = defaultdict(float)
+    for line in open(path, errors="replace"):
+        stack, _, count = line.rstrip("\n").rpartition(" ")
+        if not (stack and count.isdigit()):
+            continue
+        raw = [f for f in stack.split(";") if f]
+        if busy and WAIT in frames(stack):
+            continue
+        for i, f in enumerate(raw):
+            if f.startswith(func + " "):
+                at = re.search(r":(\d+)\)$", f)
+                callee = raw[i + 1].split(" (")[0] if i + 1 < len(raw) else "<self>"
+                out[f"{at.group(1) if at else '?'} -> {callee}"] += int(count) * us
+                break
+    return dict(out)
 
 
 def per_step(samples, steps):
@@ -74,6 +103,8 @@ def main():
     ap.add_argument("--top", type=int, default=18)
     ap.add_argument("--json")
     ap.add_argument("--children", nargs="*", default=[])
+    ap.add_argument("--lines", nargs="*", default=[])
+    ap.add_argument("--busy", action="store_true")
     a = ap.parse_args()
     steps = {}
     for f in glob.glob(os.path.join(a.results, "steady-*.json")):
@@ -85,9 +116,11 @@ def main():
     for path in sorted(glob.glob(os.path.join(a.results, "pyspy-*-c*.txt"))):
         name = os.path.basename(path)
         label, c = re.match(r"pyspy-(.+)-c(\d+)\.txt$", name).groups()
-        prof = per_step(load(path), steps.get(name, 0))
+        samples = load(path, a.busy)
+        prof = per_step(samples, steps.get(name, 0))
         prof["steps_sampled"] = steps.get(name, 0)
-        prof["children"] = {f: rounded(children(load(path), steps.get(name, 0), f), a.top) for f in a.children}
+        prof["children"] = {f: rounded(children(samples, steps.get(name, 0), f), a.top) for f in a.children}
+        prof["lines"] = {f: rounded(lines(path, steps.get(name, 0), f, a.busy), a.top) for f in a.lines}
         out.setdefault(c, {})[label] = prof
     report = {}
     for c, labels in sorted(out.items(), key=lambda kv: int(kv[0])):
@@ -96,7 +129,7 @@ def main():
         for label, prof in labels.items():
             row = {"cpu_us_per_step": prof["cpu_us_per_step"], "steps_sampled": prof["steps_sampled"],
                    "inclusive": rounded(prof["inclusive"], a.top), "self": rounded(prof["self"], a.top),
-                   "children": prof["children"]}
+                   "children": prof["children"], "lines": prof["lines"]}
             if base is not None and label != a.base:
                 names = set(prof["inclusive"]) | set(base["inclusive"])
                 d = {n: prof["inclusive"].get(n, 0.0) - base["inclusive"].get(n, 0.0) for n in names}
@@ -113,6 +146,8 @@ def main():
                 print(f"    {v:+8.1f} us  {k}")
             for f, kids in row["children"].items():
                 print(f"    in {f}: " + ", ".join(f"{k.split(' (')[0]} {v}" for k, v in list(kids.items())[:8]))
+            for f, at in row["lines"].items():
+                print(f"    lines of {f}: " + ", ".join(f"{k} {v}" for k, v in list(at.items())[:8]))
 
 
 if __name__ == "__main__":
