@@ -82,13 +82,19 @@ def _batch(reqs):
         token_to_kv_pool_allocator=types.SimpleNamespace(page_size=1), device="cuda")
 
 
-@pytest.fixture
-def policy(monkeypatch):
-    """A fresh policy module where the patched function imports it from."""
+def install_policy(monkeypatch) -> types.ModuleType:
+    """A fresh policy module, where the patched sglang code imports it from."""
     module = load_module()
     for name in ("sglang", "sglang.srt", "sglang.srt.speculative"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
     monkeypatch.setitem(sys.modules, "sglang.srt.speculative.spec_batch_threshold", module)
+    return module
+
+
+@pytest.fixture
+def policy(monkeypatch):
+    """A fresh policy module where the patched function imports it from."""
+    module = install_policy(monkeypatch)
     utils = types.ModuleType("sglang.srt.speculative.spec_utils")
     utils.assign_req_to_token_pool_func = _allocates
     monkeypatch.setitem(sys.modules, "sglang.srt.speculative.spec_utils", utils)

@@ -13,11 +13,10 @@ from __future__ import annotations
 import ast
 import random
 import re
-import sys
 import types
 
 import pytest
-from test_patch_plain_slots import RESERVE, _req
+from test_patch_plain_slots import RESERVE, _req, install_policy
 from test_patch_policy import load_module
 from test_patch_resolving import _patched, _wheel_text
 
@@ -72,10 +71,7 @@ def _layout(version: str) -> tuple[str, str]:
 @pytest.fixture
 def policy(monkeypatch):
     """A policy module where the patched method imports it from, counting its calls."""
-    module = load_module()
-    for name in ("sglang", "sglang.srt", "sglang.srt.speculative"):
-        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
-    monkeypatch.setitem(sys.modules, "sglang.srt.speculative.spec_batch_threshold", module)
+    module = install_policy(monkeypatch)
     calls = []
     real = module.spec_decode_tokens_needed
     module.spec_decode_tokens_needed = lambda *a, **k: calls.append(a) or real(*a, **k)
