@@ -24,6 +24,8 @@ benchmarks/gpu/results/<version>.json. Each call starts from an empty results fo
 logs (a warm machine's previous ones move to $GPU_ENV/previous/) and stamps every sweep row with its run
 id, phase, release and the target's shape (runinfo.py), which summarize.py checks.
 
+SERVER_CORES=N pins each server a phase launches to N cores of its own (see `_cores_for_next_server`).
+
 Two phases in one call (`a; b`, each with its own PHASE_BUDGET_S) name their files apart with
 PHASE_TAG (e.g. PHASE_TAG=5.9b: results-profile-0.5.16-5.9b.tar.gz): the second one's start moves the
 first one's results folder aside, after the first has bundled it into $OUT.
@@ -374,12 +376,32 @@ def gpu_free_gib():
 # --------------------------------------------------------------------------- servers
 
 
+# SERVER_CORES=N: each server launched in a call runs on N cores of its own (its processes inherit the
+# affinity), taken from the top of this process's cores, so that a host-bound step measures the server's
+# code and not which cores it shared; the load and py-spy keep the rest. Unset: no pinning.
+_PINNED = []
+
+
+def _cores_for_next_server():
+    per = int(os.environ.get("SERVER_CORES") or 0)
+    if per <= 0:
+        return None
+    free = sorted(os.sched_getaffinity(0) - {c for cores in _PINNED for c in cores})
+    if len(free) < per + 1:  # one core at least stays with the load
+        say(f"SERVER_CORES={per}: {len(free)} cores left, the next server is not pinned")
+        return None
+    cores = free[-per:]
+    _PINNED.append(cores)
+    return cores
+
+
 class Server:
     def __init__(self, name, port, env=None, args=None, pid=None):
         self.name, self.port, self.env, self.args, self.pid = name, port, env, args or [], pid
         self.url = f"http://127.0.0.1:{port}"
         self.log = os.path.join(RES, name + ".log")
         self.proc = None
+        self.cores = None
 
     def launch(self, extra_env=None):
         """Start in its own session. Servers share the GPU and start together: each profiles its KV
@@ -387,10 +409,14 @@ class Server:
         that positive however the starts interleave, and --max-total-tokens caps what each takes."""
         argv = [sys.executable, "-m", "sglang.launch_server", "--host", "127.0.0.1", "--port", str(self.port)
                 ] + self.args
-        say(f"{self.name}: start {' '.join(self.args[2:])}")
+        self.cores = _cores_for_next_server()
+        pinned = f" (pinned to cores {self.cores[0]}-{self.cores[-1]})" if self.cores else ""
+        say(f"{self.name}: start {' '.join(self.args[2:])}{pinned}")
         env = dict(self.env, **(extra_env or {}))
+        cores = self.cores
         self.proc = subprocess.Popen(argv, env=env, stdout=open(self.log, "w"), stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     start_new_session=True,
+                                     preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None)
         self.pid = self.proc.pid
         self.started = time.time()
 
@@ -424,6 +450,10 @@ class Server:
                     if r.status == 200:
                         client.generate(self.url, [5, 6, 7, 8], 4)
                         say(f"{self.name}: ready {time.time() - self.started:.0f}s after start")
+                        if self.cores:  # read back: sglang may bind its scheduler to a NUMA node itself
+                            got = sorted(os.sched_getaffinity(scheduler_pid(self)))
+                            say(f"{self.name}: scheduler runs on cores {got}"
+                                + ("" if set(got) <= set(self.cores) else f", not only {self.cores}"))
                         return True
             except Exception:  # noqa: BLE001
                 pass
@@ -458,6 +488,8 @@ class Server:
                 pass
             if self.proc is not None:
                 self.proc.wait(30)
+        if self.cores in _PINNED:
+            _PINNED.remove(self.cores)
         bad = self.grep(r"Traceback|NaN|nan detected|leak|Error:")
         say(f"{self.name}: stopped; error-looking lines {len(bad)}" + ("\n  " + "\n  ".join(bad[:8]) if bad else ""))
 
