@@ -10,14 +10,13 @@ host lists with the two methods the loops call.
 
 from __future__ import annotations
 
-import ast
 import random
 import shutil
 import subprocess
 import types
 from pathlib import Path
 
-from test_patch_resolving import _wheel_text
+from test_patch_resolving import _class_of, _definitions, _wheel_text
 
 REPO = Path(__file__).resolve().parents[1]
 DIFF = REPO / "benchmarks" / "gpu" / "experiments" / "0.5.14-plainresult.diff"
@@ -29,14 +28,6 @@ class HostTensor(list):
 
     def tolist(self):
         return list(self)
-
-
-def _methods(text: str, cls: str, names: set[str]) -> list[ast.FunctionDef]:
-    tree = ast.parse(text)
-    body = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls).body
-    found = [n for n in body if isinstance(n, ast.FunctionDef) and n.name in names]
-    assert {n.name for n in found} == names
-    return found
 
 
 def _experiment_text(tmp_path: Path) -> str:
@@ -52,26 +43,20 @@ def _experiment_text(tmp_path: Path) -> str:
 
 
 def _processor(text: str, names: set[str]):
-    cls = ast.ClassDef(name="Processor", bases=[], keywords=[], body=_methods(text, "SchedulerBatchResultProcessor", names),
-                       decorator_list=[], type_params=[])
     namespace = {"List": list, "Union": object, "GenerationBatchResult": object, "ScheduleBatch": object,
                  "Req": object, "logger": types.SimpleNamespace(error=print), "AbortReq": object}
-    exec(compile(ast.fix_missing_locations(ast.Module(body=[cls], type_ignores=[])), PROCESSOR, "exec"), namespace)
+    cls = _class_of(_definitions(text, names, cls="SchedulerBatchResultProcessor"), namespace, PROCESSOR)
     seen = []
-    processor = object.__new__(namespace["Processor"])
+    processor = object.__new__(cls)
     processor.model_worker = types.SimpleNamespace(
         on_verify_complete_cpu=lambda per_req, batch_size: seen.append((list(per_req), batch_size)))
     return processor, seen
 
 
 def _request_class():
-    method = _methods(_wheel_text("0.5.14", "srt/managers/schedule_batch.py"), "Req",
-                      {"update_spec_correct_drafts_histogram"})
-    cls = ast.ClassDef(name="Req", bases=[], keywords=[], body=method, decorator_list=[], type_params=[])
-    namespace = {}
-    exec(compile(ast.fix_missing_locations(ast.Module(body=[cls], type_ignores=[])), "schedule_batch", "exec"),
-         namespace)
-    return namespace["Req"]
+    method = _definitions(_wheel_text("0.5.14", "srt/managers/schedule_batch.py"),
+                          {"update_spec_correct_drafts_histogram"}, cls="Req")
+    return _class_of(method, {}, "schedule_batch")
 
 
 def _requests(seed: int, n: int):

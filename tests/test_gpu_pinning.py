@@ -9,30 +9,28 @@ from __future__ import annotations
 
 import os
 import textwrap
-import time
 
 from test_gpu_summarize import phase  # noqa: F401  (the fixture)
 
 STAND_IN = """
-import multiprocessing, os, sys, time
-def child(path):
-    open(path, "w").write(" ".join(map(str, sorted(os.sched_getaffinity(0)))))
-    time.sleep(60)
+import multiprocessing, os, signal
+def report(who):
+    print(who, "cores", *sorted(os.sched_getaffinity(0)), flush=True)
+def child():
+    report("child")
+    signal.pause()
 if __name__ == "__main__":
-    out = os.environ["AFFINITY_OUT"]
-    multiprocessing.Process(target=child, args=(out + ".child",)).start()
-    open(out, "w").write(" ".join(map(str, sorted(os.sched_getaffinity(0)))))
-    time.sleep(60)
+    multiprocessing.Process(target=child).start()
+    report("server")
+    signal.pause()
 """
 
 
-def _wait_for(path, timeout=30.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if os.path.exists(path) and open(path).read():
-            return {int(c) for c in open(path).read().split()}
-        time.sleep(0.05)
-    raise AssertionError(f"{path} never written")
+def _cores(server, who):
+    """The cores the stand-in's `who` (server or child) reported in its log, once it has."""
+    assert server.wait_log(rf"^{who} cores", 30), server.tail(20)
+    line = server.grep(rf"^{who} cores")[0]
+    return {int(c) for c in line.split()[2:]}
 
 
 def test_each_server_gets_cores_of_its_own_and_its_children_keep_them(phase, tmp_path, monkeypatch):  # noqa: F811
@@ -45,22 +43,22 @@ def test_each_server_gets_cores_of_its_own_and_its_children_keep_them(phase, tmp
     os.makedirs(phase.RES, exist_ok=True)
     monkeypatch.setenv("SERVER_CORES", str(len(cores) - 1))
     env = dict(os.environ, PYTHONPATH=str(tmp_path / "standin"))
-    first = phase.Server("first", 39001, dict(env, AFFINITY_OUT=str(tmp_path / "first")))
-    second = phase.Server("second", 39002, dict(env, AFFINITY_OUT=str(tmp_path / "second")))
+    first = phase.Server("first", 39001, env)
+    second = phase.Server("second", 39002, env)
     try:
         first.launch()
         second.launch()  # no cores left beside the load's: runs unpinned
         want = set(cores[1:])
         assert first.cores == sorted(want)
-        assert _wait_for(str(tmp_path / "first")) == want
-        assert _wait_for(str(tmp_path / "first.child")) == want
+        assert _cores(first, "server") == want
+        assert _cores(first, "child") == want
         assert second.cores is None
-        assert _wait_for(str(tmp_path / "second")) == set(cores)
+        assert _cores(second, "server") == set(cores)
     finally:
         first.stop()
         second.stop()
     # a stopped server's cores go back: the next one takes them
-    third = phase.Server("third", 39003, dict(env, AFFINITY_OUT=str(tmp_path / "third")))
+    third = phase.Server("third", 39003, env)
     try:
         third.launch()
         assert third.cores == sorted(set(cores[1:]))

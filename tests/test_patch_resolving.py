@@ -55,6 +55,12 @@ def _run(body: list[ast.stmt], namespace: dict, filename: str) -> dict:
     return namespace
 
 
+def _class_of(methods: list[ast.stmt], namespace: dict, filename: str, name: str = "StandIn") -> type:
+    """A class holding a release's `methods` (from _definitions), defined in `namespace`."""
+    cls = ast.ClassDef(name=name, bases=[], keywords=[], body=methods, decorator_list=[], type_params=[])
+    return _run([ast.fix_missing_locations(cls)], namespace, filename)[name]
+
+
 def _environ(version: str, tmp_path: Path):
     """The release's environ.py (stdlib only), loaded by path."""
     path = tmp_path / "environ.py"

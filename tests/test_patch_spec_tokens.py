@@ -18,19 +18,10 @@ import types
 import pytest
 from test_patch_plain_slots import RESERVE, _req, install_policy
 from test_patch_policy import load_module
-from test_patch_resolving import _patched, _wheel_text
+from test_patch_resolving import _class_of, _definitions, _patched, _run, _wheel_text
 
 RELEASES = ["0.5.14", "0.5.15", "0.5.16", "0.5.18", "0.5.19", "0.5.22", "0.5.23"]
 SCHEDULE_BATCH = "srt/managers/schedule_batch.py"
-
-
-def _functions(text: str, names: set[str], cls: str | None = None) -> list[ast.FunctionDef]:
-    tree = ast.parse(text)
-    scope = tree.body if cls is None else next(
-        n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls).body
-    found = [n for n in scope if isinstance(n, ast.FunctionDef) and n.name in names]
-    assert {n.name for n in found} == names
-    return found
 
 
 def _utils_text(version: str) -> str:
@@ -47,22 +38,17 @@ def _utils_text(version: str) -> str:
 def _estimates(version: str, patched: bool):
     """The release's ScheduleBatch estimate (patched or as shipped) bound to a stand-in batch class."""
     text = _patched(version, SCHEDULE_BATCH) if patched else _wheel_text(version, SCHEDULE_BATCH)
-    methods = _functions(text, {"new_tokens_required_next_decode", "_new_tokens_required_next_decode_spec_v2"},
-                         cls="ScheduleBatch")
-    helpers = _functions(_utils_text(version), {"ceil_div", "ceil_align"})
+    methods = _definitions(text, {"new_tokens_required_next_decode", "_new_tokens_required_next_decode_spec_v2"},
+                           cls="ScheduleBatch")
     namespace = {"__name__": "schedule_batch", "get_alloc_reserve_per_decode": lambda: RESERVE,
                  "List": list, "Optional": lambda *a: None}
-    for node in helpers:
-        exec(compile(ast.fix_missing_locations(ast.Module(body=[node], type_ignores=[])), "utils", "exec"), namespace)
-    cls = ast.ClassDef(name="Batch", bases=[], keywords=[], body=methods, decorator_list=[], type_params=[])
-    exec(compile(ast.fix_missing_locations(ast.Module(body=[cls], type_ignores=[])), SCHEDULE_BATCH, "exec"),
-         namespace)
-    return namespace["Batch"]
+    _run(_definitions(_utils_text(version), {"ceil_div", "ceil_align"}), namespace, "utils")
+    return _class_of(methods, namespace, SCHEDULE_BATCH)
 
 
 def _layout(version: str) -> tuple[str, str]:
-    own = ast.unparse(_functions(_wheel_text(version, SCHEDULE_BATCH), {"_new_tokens_required_next_decode_spec_v2"},
-                                 cls="ScheduleBatch")[0])
+    own = ast.unparse(_definitions(_wheel_text(version, SCHEDULE_BATCH), {"_new_tokens_required_next_decode_spec_v2"},
+                                   cls="ScheduleBatch")[0])
     committed = re.search(r"r\.((?:kv\.)?kv_committed_len) \+ reserve", own).group(1)
     allocated = re.search(r"cur = r\.((?:kv\.)?kv_allocated_len)", own).group(1)
     return allocated, committed

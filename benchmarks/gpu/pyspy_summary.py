@@ -36,33 +36,31 @@ def frames(stack):
 WAIT = "Event.synchronize (torch/cuda/streams.py)"
 
 
-def load(path, busy=False):
-    samples = []
+def stacks(path, busy=False):
+    """(frames with their line numbers, count) per line of a raw py-spy file; with `busy`, without the
+    samples that wait in Event.synchronize."""
     for line in open(path, errors="replace"):
         stack, _, count = line.rstrip("\n").rpartition(" ")
         if stack and count.isdigit():
-            fr = frames(stack)
-            if not (busy and WAIT in fr):
-                samples.append((fr, int(count)))
-    return samples
+            raw = [f for f in stack.split(";") if f]
+            if not (busy and WAIT in frames(stack)):
+                yield raw, int(count)
+
+
+def load(path, busy=False):
+    return [(frames(";".join(raw)), n) for raw, n in stacks(path, busy)]
 
 
 def lines(path, steps, func, busy=False):
     """CPU per step of each source line of `func` ('Class.method'), keyed 'LINE -> callee'."""
     us = 1e6 / RATE_HZ / max(1, steps)
     out = defaultdict(float)
-    for line in open(path, errors="replace"):
-        stack, _, count = line.rstrip("\n").rpartition(" ")
-        if not (stack and count.isdigit()):
-            continue
-        raw = [f for f in stack.split(";") if f]
-        if busy and WAIT in frames(stack):
-            continue
+    for raw, n in stacks(path, busy):
         for i, f in enumerate(raw):
             if f.startswith(func + " "):
                 at = re.search(r":(\d+)\)$", f)
                 callee = raw[i + 1].split(" (")[0] if i + 1 < len(raw) else "<self>"
-                out[f"{at.group(1) if at else '?'} -> {callee}"] += int(count) * us
+                out[f"{at.group(1) if at else '?'} -> {callee}"] += n * us
                 break
     return dict(out)
 
