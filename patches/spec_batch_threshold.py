@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import os
 from operator import attrgetter
-from typing import Any, Callable, Dict, NamedTuple, Optional
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 logger = logging.getLogger(__name__)
 
@@ -216,6 +216,59 @@ def spec_decode_tokens_needed(
         if short > 0:
             total += short
     return total
+
+
+def plain_step_tokens(
+    result: Any,
+    requests: Any,
+    worker: Any,
+    committed: str = "kv_committed_len",
+    pre_claimed: bool = False,
+    zero: Tuple[str, ...] = (),
+) -> List[List[int]]:
+    """The scheduler's speculative result for a plain-decode step, settled without its
+    per-request slicing: one token per request, no draft accepted.
+
+    The same bookkeeping as the release's loop over a verify of stride 1 and accept length
+    1: each live request counts a verify with no correct draft (its histogram's bucket 0)
+    and commits its one token; a finished or retracted one commits nothing. `pre_claimed`:
+    the release's prepare_for_decode already counted the token's slot as committed (0.5.14),
+    so a live request keeps its length and a finished one gives the slot back. `committed`
+    names the request's committed length (dotted where a release keeps it in a
+    sub-object); `zero` names result fields the release sums over the step's per-request
+    extras (none on a plain step). Batches with grammar requests keep the release's loop,
+    which advances the grammar.
+    """
+    tokens = result.next_token_ids.tolist()
+    n = len(requests)
+    no_drafts = [0] * n
+    result.num_correct_drafts = 0
+    result.num_correct_drafts_per_req_cpu = no_drafts
+    for name in zero:
+        setattr(result, name, 0)
+    worker.on_verify_complete_cpu(no_drafts, batch_size=n)
+    holder_path, _, length = committed.rpartition(".")
+    holder = attrgetter(holder_path) if holder_path else None
+    out = []
+    for req, token in zip(requests, tokens):
+        if req.is_retracted:
+            pass
+        elif req.finished():
+            if pre_claimed:
+                lens = holder(req) if holder else req
+                setattr(lens, length, getattr(lens, length) - 1)
+        else:
+            if not pre_claimed:
+                lens = holder(req) if holder else req
+                setattr(lens, length, getattr(lens, length) + 1)
+            req.spec_verify_ct += 1
+            histogram = req.spec_correct_drafts_histogram
+            if histogram:
+                histogram[0] += 1
+            else:
+                histogram.append(1)
+        out.append([token])
+    return out
 
 
 def unsupported_reason(server_args: Any) -> Optional[str]:

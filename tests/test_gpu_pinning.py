@@ -1,5 +1,5 @@
 """The GPU benchmark's SERVER_CORES: each server it launches runs on cores of its own, and its child
-processes inherit them.
+processes inherit them; the benchmark's own process (the load) leaves those cores while the server holds them.
 
 A stand-in `sglang.launch_server` (sglang itself needs a GPU) is launched by phase.py's own Server,
 a real process whose affinity the kernel reports; it starts a child as sglang starts its scheduler.
@@ -47,16 +47,18 @@ def test_each_server_gets_cores_of_its_own_and_its_children_keep_them(phase, tmp
     second = phase.Server("second", 39002, env)
     try:
         first.launch()
-        second.launch()  # no cores left beside the load's: runs unpinned
+        second.launch()  # no cores left beside the load's: runs unpinned, on the cores no server holds
         want = set(cores[1:])
         assert first.cores == sorted(want)
         assert _cores(first, "server") == want
         assert _cores(first, "child") == want
+        assert os.sched_getaffinity(0) == {cores[0]}  # the load leaves the server's cores
         assert second.cores is None
-        assert _cores(second, "server") == set(cores)
+        assert _cores(second, "server") == {cores[0]}
     finally:
         first.stop()
         second.stop()
+    assert os.sched_getaffinity(0) == set(cores)  # and takes them back once it stopped
     # a stopped server's cores go back: the next one takes them
     third = phase.Server("third", 39003, env)
     try:
@@ -64,3 +66,24 @@ def test_each_server_gets_cores_of_its_own_and_its_children_keep_them(phase, tmp
         assert third.cores == sorted(set(cores[1:]))
     finally:
         third.stop()
+
+
+def test_a_server_takes_whole_physical_cores(phase, monkeypatch):  # noqa: F811
+    """With two threads per core (cpu c and c+4 on one core), a server never shares a physical core with
+    the load or another server, and N rounds up to whole cores."""
+    monkeypatch.setattr(phase, "_thread_siblings", lambda c: {c % 4, c % 4 + 4})
+    monkeypatch.setattr(phase.os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setattr(phase, "_PINNED", [])
+    monkeypatch.setenv("SERVER_CORES", "2")
+    assert phase._cores_for_next_server() == [3, 7]
+    monkeypatch.setenv("SERVER_CORES", "3")
+    assert phase._cores_for_next_server() == [1, 2, 5, 6]
+    assert phase._cores_for_next_server() is None  # core 0 and its sibling stay with the load
+    assert phase._unpinned_cores() == {0, 4}
+
+
+def test_thread_siblings_are_read_from_the_kernel(phase):  # noqa: F811
+    for cpu in sorted(os.sched_getaffinity(0)):
+        siblings = phase._thread_siblings(cpu)
+        assert cpu in siblings
+        assert all(cpu in phase._thread_siblings(s) for s in siblings)

@@ -478,8 +478,8 @@ def test_strategy_for_supported_versions(version: str, strategy: str) -> None:
     assert strategy_for(version) == strategy
     # 0.5.6-0.5.12 also change the scheduler's FutureMap and prepare_for_decode for the lean plain step,
     # 0.5.6-0.5.11 the output processor's token stride (0.5.12 reads it from the result), and 0.5.14 on
-    # the FutureMap, prepare_for_decode's host lengths and the scheduler's speculative KV estimate (in the
-    # variants' file order)
+    # the FutureMap, prepare_for_decode's host lengths, the scheduler's speculative KV estimate and its
+    # result of a plain step (in the variants' file order)
     variant = variant_for(version) if strategy == "patch" else None
     files = ["srt/server_args.py", "srt/managers/scheduler.py", "srt/speculative/eagle_worker_v2.py"]
     if variant in ("0.5.6", "0.5.7", "0.5.8", "0.5.12"):
@@ -488,7 +488,7 @@ def test_strategy_for_supported_versions(version: str, strategy: str) -> None:
         files += ["srt/managers/scheduler_output_processor_mixin.py"]
     elif variant == "0.5.14":
         files[2:2] = ["srt/managers/overlap_utils.py", "srt/speculative/eagle_info_v2.py"]
-        files.insert(0, "srt/managers/schedule_batch.py")
+        files[0:0] = ["srt/managers/scheduler_components/batch_result_processor.py", "srt/managers/schedule_batch.py"]
     assert TARGET_FILES(version) == ([] if strategy == "native" else
                                      files + ["srt/speculative/spec_batch_threshold.py"])
 

@@ -7,7 +7,9 @@
 Each RUN_DIR is one call (its modes were measured level by level in turn, on the same minutes of the
 machine); a mode measured in several calls keeps each call's row, and `summary` gives per level the
 mean step time, its spread across the calls and windows ((max - min) / mean, percent), and the ratio
-to the no-spec server's mean step time at that level.
+to the no-spec server's mean step time at that level. `--same LABEL:MODE` pools a second server of a
+mode into it (a call that ran two no-spec servers, or two of one patched tree, to see how far servers
+of the same code differ): its rows join the mode's, each keeping the server's label in "server".
 """
 import argparse
 import glob
@@ -22,6 +24,8 @@ def main():
     ap.add_argument("--model", required=True, help="k=v,... (hidden, layers, heads, kv_heads, inter, params_b)")
     ap.add_argument("--base", default="no_spec")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--same", action="append", default=[], metavar="LABEL:MODE",
+                    help="pool the rows of server LABEL into MODE (a results name such as no_spec)")
     a = ap.parse_args()
     model = {}
     for kv in a.model.split(","):
@@ -32,7 +36,7 @@ def main():
         for path in sorted(glob.glob(os.path.join(run, "steady-*.json"))):
             label = os.path.basename(path)[len("steady-"):-len(".json")]
             for r in json.load(open(path)):
-                r["run"] = os.path.basename(os.path.normpath(run))
+                r["run"], r["server"] = os.path.basename(os.path.normpath(run)), label
                 rows.setdefault(label, []).append(r)
     # the results' names for the profile phase's labels ("t5": threshold 5; "<tree>-t0": another patch build)
     def name(label):
@@ -44,6 +48,12 @@ def main():
         return label
 
     rows = {name(label): rs for label, rs in rows.items()}
+    for pair in a.same:
+        label, _, mode = pair.partition(":")
+        if label not in rows or mode not in rows:
+            ap.error(f"--same {pair}: no rows labelled {label if label not in rows else mode} "
+                     f"(labels: {', '.join(sorted(rows))})")
+        rows[mode] += rows.pop(label)
     levels = sorted({r["concurrency"] for rs in rows.values() for r in rs})
 
     def at(label, c):

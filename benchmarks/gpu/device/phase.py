@@ -377,22 +377,60 @@ def gpu_free_gib():
 
 
 # SERVER_CORES=N: each server launched in a call runs on N cores of its own (its processes inherit the
-# affinity), taken from the top of this process's cores, so that a host-bound step measures the server's
-# code and not which cores it shared; the load and py-spy keep the rest. Unset: no pinning.
+# affinity; whole physical cores, N rounded up to them), taken from the top of this process's cores, so that a host-bound step measures the server's
+# code and not which cores it shared; the load and py-spy keep the rest, and this process (whose threads
+# are the load) moves off the pinned cores while a server holds them. Unset: no pinning.
 _PINNED = []
+_OWN_CORES = set()  # this process's cores before it pinned a server
+
+
+def _unpinned_cores():
+    return _OWN_CORES - {c for cores in _PINNED for c in cores}
 
 
 def _cores_for_next_server():
     per = int(os.environ.get("SERVER_CORES") or 0)
     if per <= 0:
         return None
-    free = sorted(os.sched_getaffinity(0) - {c for cores in _PINNED for c in cores})
-    if len(free) < per + 1:  # one core at least stays with the load
+    if not _PINNED:
+        _OWN_CORES.clear()
+        _OWN_CORES.update(os.sched_getaffinity(0))
+        say("cores by physical core: " + " ".join(
+            ",".join(map(str, g)) for g in sorted({tuple(sorted(_thread_siblings(c))) for c in _OWN_CORES})))
+    # whole physical cores, the highest first: a server never shares one with the load through SMT
+    free = _unpinned_cores()
+    groups = sorted({tuple(sorted(_thread_siblings(c) & free)) for c in free}, reverse=True)
+    cores = []
+    for group in groups:
+        if len(cores) >= per:
+            break
+        cores += group
+    if not cores or len(cores) < per or not free - set(cores):  # one core at least stays with the load
         say(f"SERVER_CORES={per}: {len(free)} cores left, the next server is not pinned")
         return None
-    cores = free[-per:]
+    cores = sorted(cores)
     _PINNED.append(cores)
     return cores
+
+
+def _thread_siblings(cpu):
+    """The logical cores that share `cpu`'s physical core (the kernel's thread_siblings_list)."""
+    try:
+        with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list") as f:
+            text = f.read().strip()
+    except OSError:
+        return {cpu}
+    cores = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        cores.update(range(int(lo), int(hi or lo) + 1))
+    return cores or {cpu}
+
+
+def _load_keeps_unpinned_cores():
+    """This process's thread (and the load's threads it starts after) on the cores no server holds."""
+    if _OWN_CORES:
+        os.sched_setaffinity(0, _unpinned_cores())
 
 
 class Server:
@@ -410,7 +448,7 @@ class Server:
         argv = [sys.executable, "-m", "sglang.launch_server", "--host", "127.0.0.1", "--port", str(self.port)
                 ] + self.args
         self.cores = _cores_for_next_server()
-        pinned = f" (pinned to cores {self.cores[0]}-{self.cores[-1]})" if self.cores else ""
+        pinned = f" (pinned to cores {','.join(map(str, self.cores))})" if self.cores else ""
         say(f"{self.name}: start {' '.join(self.args[2:])}{pinned}")
         env = dict(self.env, **(extra_env or {}))
         cores = self.cores
@@ -418,6 +456,8 @@ class Server:
                                      start_new_session=True,
                                      preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None)
         self.pid = self.proc.pid
+        if cores:
+            _load_keeps_unpinned_cores()
         self.started = time.time()
 
     def alive(self):
@@ -490,6 +530,7 @@ class Server:
                 self.proc.wait(30)
         if self.cores in _PINNED:
             _PINNED.remove(self.cores)
+            _load_keeps_unpinned_cores()
         bad = self.grep(r"Traceback|NaN|nan detected|leak|Error:")
         say(f"{self.name}: stopped; error-looking lines {len(bad)}" + ("\n  " + "\n  ".join(bad[:8]) if bad else ""))
 

@@ -1,0 +1,44 @@
+"""steady_summary.py pools a second server of a mode into it (`--same LABEL:MODE`): the mode's step is
+the mean over both servers, its spread spans both servers' windows, and the ratio is against the
+pooled no-spec servers; a label no call measured is refused by name."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu" / "steady_summary.py"
+
+
+def _rows(steps):
+    return [{"concurrency": c, "step_ms": sum(w) / len(w), "step_ms_windows": w} for c, w in steps]
+
+
+def _run(tmp_path, *args):
+    return subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "run"), "--version", "0.5.14",
+                           "--model", "hidden=2048,layers=24,params_b=1.21", "--out", str(tmp_path / "out.json"),
+                           *args], capture_output=True, text=True)
+
+
+def test_a_second_server_of_a_mode_is_pooled_into_it(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    servers = {"nospec": [(1, [1.0, 1.0]), (16, [2.0, 2.0])], "nospec2": [(1, [1.2, 1.2]), (16, [2.0, 2.2])],
+               "t0": [(1, [1.1, 1.1]), (16, [2.1, 2.1])], "patched2": [(1, [1.1, 1.3]), (16, [2.1, 2.1])]}
+    for label, steps in servers.items():
+        (run / f"steady-{label}.json").write_text(json.dumps(_rows(steps)))
+    out = _run(tmp_path, "--same", "nospec2:no_spec", "--same", "patched2:threshold_0")
+    assert out.returncode == 0, out.stderr
+    summary = json.loads((tmp_path / "out.json").read_text())["summary"]
+    assert summary["levels"] == [1, 16]
+    assert summary["step_ms"] == {"no_spec": [1.1, 2.05], "threshold_0": [1.15, 2.1]}
+    assert summary["step_spread_pct"]["no_spec"] == [round(100 * 0.2 / 1.1, 1), round(100 * 0.2 / 2.05, 1)]
+    assert summary["step_ratio_vs_no_spec"]["threshold_0"] == [round(1.15 / 1.1, 3), round(2.1 / 2.05, 3)]
+    rows = json.loads((tmp_path / "out.json").read_text())["rows"]
+    assert sorted({r["server"] for r in rows["no_spec"]}) == ["nospec", "nospec2"]
+
+    refused = _run(tmp_path, "--same", "nospec3:no_spec")
+    assert refused.returncode == 2
+    assert "--same nospec3:no_spec: no rows labelled nospec3" in refused.stderr
