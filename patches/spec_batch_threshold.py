@@ -156,6 +156,12 @@ def known_seq_lens(draft_input: Any, batch: Any) -> Any:
     return batch.seq_lens_cpu + 1
 
 
+# Where a request keeps its KV lengths unless a release moved them (a dotted name then, e.g.
+# "kv.kv_committed_len"): the default of every function below that reads them.
+ALLOCATED_LEN = "kv_allocated_len"
+COMMITTED_LEN = "kv_committed_len"
+
+
 # The speculative worker of this process decides each decode step when the scheduler prepares
 # its batch (set_plain_step_decider, once its threshold is armed): a plain-decode step then
 # allocates no KV slots while its requests hold enough of those reserved on earlier steps.
@@ -172,8 +178,8 @@ def set_plain_step_decider(decide: Optional[Callable[[Any], bool]]) -> None:
 def plain_step_holds_slots(
     batch: Any,
     reserve: int,
-    allocated: str = "kv_allocated_len",
-    committed: str = "kv_committed_len",
+    allocated: str = ALLOCATED_LEN,
+    committed: str = COMMITTED_LEN,
 ) -> bool:
     """Whether the decode step being prepared is a plain-decode step that needs no new KV slot.
 
@@ -197,8 +203,8 @@ def plain_step_holds_slots(
 def spec_decode_tokens_needed(
     requests: Any,
     reserve: int,
-    allocated: str = "kv_allocated_len",
-    committed: str = "kv_committed_len",
+    allocated: str = ALLOCATED_LEN,
+    committed: str = COMMITTED_LEN,
 ) -> int:
     """The KV slots the next speculative decode step allocates with one-token pages: each
     request's shortfall against `reserve` slots past its committed length, summed.
@@ -222,7 +228,7 @@ def plain_step_tokens(
     result: Any,
     requests: Any,
     worker: Any,
-    committed: str = "kv_committed_len",
+    committed: str = COMMITTED_LEN,
     pre_claimed: bool = False,
     zero: Tuple[str, ...] = (),
 ) -> List[List[int]]:
@@ -247,27 +253,28 @@ def plain_step_tokens(
     for name in zero:
         setattr(result, name, 0)
     worker.on_verify_complete_cpu(no_drafts, batch_size=n)
-    holder_path, _, length = committed.rpartition(".")
-    holder = attrgetter(holder_path) if holder_path else None
+    holder, _, length = committed.rpartition(".")
+    lens_of = attrgetter(holder) if holder else (lambda req: req)
+    # what a finished and a live request add to their committed length
+    finished_adds, live_adds = (-1, 0) if pre_claimed else (0, 1)
     out = []
     for req, token in zip(requests, tokens):
+        out.append([token])
         if req.is_retracted:
-            pass
-        elif req.finished():
-            if pre_claimed:
-                lens = holder(req) if holder else req
-                setattr(lens, length, getattr(lens, length) - 1)
+            continue
+        if req.finished():
+            adds = finished_adds
         else:
-            if not pre_claimed:
-                lens = holder(req) if holder else req
-                setattr(lens, length, getattr(lens, length) + 1)
+            adds = live_adds
             req.spec_verify_ct += 1
             histogram = req.spec_correct_drafts_histogram
             if histogram:
                 histogram[0] += 1
             else:
                 histogram.append(1)
-        out.append([token])
+        if adds:
+            lens = lens_of(req)
+            setattr(lens, length, getattr(lens, length) + adds)
     return out
 
 

@@ -28,9 +28,9 @@ from collections import defaultdict
 RATE_HZ = 1000
 
 
-def frames(stack):
-    """'a (f.py:1);b (g.py:2)' -> ['a (f.py)', 'b (g.py)'] (line numbers dropped so a function is one row)."""
-    return [re.sub(r":\d+\)$", ")", f) for f in stack.split(";") if f]
+def frames(raw):
+    """['a (f.py:1)', 'b (g.py:2)'] -> ['a (f.py)', 'b (g.py)'] (line numbers dropped so a function is one row)."""
+    return [re.sub(r":\d+\)$", ")", f) for f in raw]
 
 
 WAIT = "Event.synchronize (torch/cuda/streams.py)"
@@ -43,12 +43,12 @@ def stacks(path, busy=False):
         stack, _, count = line.rstrip("\n").rpartition(" ")
         if stack and count.isdigit():
             raw = [f for f in stack.split(";") if f]
-            if not (busy and WAIT in frames(stack)):
+            if not (busy and WAIT in frames(raw)):
                 yield raw, int(count)
 
 
 def load(path, busy=False):
-    return [(frames(";".join(raw)), n) for raw, n in stacks(path, busy)]
+    return [(frames(raw), n) for raw, n in stacks(path, busy)]
 
 
 def lines(path, steps, func, busy=False):

@@ -377,8 +377,8 @@ def gpu_free_gib():
 
 
 # SERVER_CORES=N: each server launched in a call runs on N cores of its own (its processes inherit the
-# affinity; whole physical cores, N rounded up to them), taken from the top of this process's cores, so that a host-bound step measures the server's
-# code and not which cores it shared; the load and py-spy keep the rest, and this process (whose threads
+# affinity; whole physical cores, N rounded up to them), taken from the top of this process's cores,
+# so that a host-bound step measures the server's code and not which cores it shared; the load and py-spy keep the rest, and this process (whose threads
 # are the load) moves off the pinned cores while a server holds them. Unset: no pinning.
 _PINNED = []
 _OWN_CORES = set()  # this process's cores before it pinned a server
@@ -395,22 +395,25 @@ def _cores_for_next_server():
     if not _PINNED:
         _OWN_CORES.clear()
         _OWN_CORES.update(os.sched_getaffinity(0))
-        say("cores by physical core: " + " ".join(
-            ",".join(map(str, g)) for g in sorted({tuple(sorted(_thread_siblings(c))) for c in _OWN_CORES})))
+        say("cores by physical core: " + " ".join(",".join(map(str, g)) for g in _physical_cores(_OWN_CORES)))
     # whole physical cores, the highest first: a server never shares one with the load through SMT
     free = _unpinned_cores()
-    groups = sorted({tuple(sorted(_thread_siblings(c) & free)) for c in free}, reverse=True)
     cores = []
-    for group in groups:
+    for group in reversed(_physical_cores(free)):
         if len(cores) >= per:
             break
         cores += group
-    if not cores or len(cores) < per or not free - set(cores):  # one core at least stays with the load
+    if len(cores) < per or not free - set(cores):  # one core at least stays with the load
         say(f"SERVER_CORES={per}: {len(free)} cores left, the next server is not pinned")
         return None
     cores = sorted(cores)
     _PINNED.append(cores)
     return cores
+
+
+def _physical_cores(cores):
+    """`cores` grouped by the physical core each belongs to, in order."""
+    return sorted({tuple(sorted(_thread_siblings(c) & set(cores))) for c in cores})
 
 
 def _thread_siblings(cpu):
