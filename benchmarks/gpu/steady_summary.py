@@ -17,7 +17,33 @@ import json
 import os
 
 
-def main():
+def mode_name(label):
+    """The results' name for a profile phase's server label ("t5": threshold 5; "<tree>-t0": another
+    patch build)."""
+    if label == "nospec":
+        return "no_spec"
+    tree, _, t = label.rpartition("-")
+    if t[:1] == "t" and t[1:].lstrip("-").isdigit():
+        return f"threshold_{t[1:]}" + (f"_{tree}" if tree else "")
+    return label
+
+
+def pooled(rows, same, error):
+    """`rows` (mode -> rows) with each `--same LABEL:MODE` server's rows moved into MODE's; `error`
+    (argparse's) refuses a label that no call measured."""
+    for pair in same:
+        label, _, mode = pair.partition(":")
+        if label not in rows or mode not in rows:
+            error(f"--same {pair}: no rows labelled {label if label not in rows else mode} "
+                  f"(labels: {', '.join(sorted(rows))})")
+        rows[mode] += rows.pop(label)
+    return rows
+
+
+def read_runs(kind, each=None):
+    """The command line shared with closed_summary.py, and the rows of its runs' `<kind>-<label>.json`
+    files by mode (each stamped with its run and server; `each(run, label, row)` adds to a row):
+    (args, model, rows), the second servers pooled."""
     ap = argparse.ArgumentParser()
     ap.add_argument("runs", nargs="+")
     ap.add_argument("--version", required=True)
@@ -33,27 +59,20 @@ def main():
         model[k] = float(v) if "." in v else int(v)
     rows = {}
     for run in a.runs:
-        for path in sorted(glob.glob(os.path.join(run, "steady-*.json"))):
-            label = os.path.basename(path)[len("steady-"):-len(".json")]
+        for path in sorted(glob.glob(os.path.join(run, f"{kind}-*.json"))):
+            label = os.path.basename(path)[len(kind) + 1:-len(".json")]
             for r in json.load(open(path)):
                 r["run"], r["server"] = os.path.basename(os.path.normpath(run)), label
+                if each:
+                    each(run, label, r)
                 rows.setdefault(label, []).append(r)
-    # the results' names for the profile phase's labels ("t5": threshold 5; "<tree>-t0": another patch build)
-    def name(label):
-        if label == "nospec":
-            return "no_spec"
-        tree, _, t = label.rpartition("-")
-        if t[:1] == "t" and t[1:].lstrip("-").isdigit():
-            return f"threshold_{t[1:]}" + (f"_{tree}" if tree else "")
-        return label
+    if not rows:
+        ap.error(f"no {kind}-<label>.json in {', '.join(a.runs)}")
+    return a, model, pooled({mode_name(label): rs for label, rs in rows.items()}, a.same, ap.error)
 
-    rows = {name(label): rs for label, rs in rows.items()}
-    for pair in a.same:
-        label, _, mode = pair.partition(":")
-        if label not in rows or mode not in rows:
-            ap.error(f"--same {pair}: no rows labelled {label if label not in rows else mode} "
-                     f"(labels: {', '.join(sorted(rows))})")
-        rows[mode] += rows.pop(label)
+
+def main():
+    a, model, rows = read_runs("steady")
     levels = sorted({r["concurrency"] for rs in rows.values() for r in rs})
 
     def at(label, c):

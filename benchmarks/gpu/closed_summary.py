@@ -1,0 +1,124 @@
+#!/usr/bin/env python3
+"""Closed-loop throughput and where its prefills go: the profile phase's `closed-<label>.json` rows and
+each level's server metrics (`closed-<label>-c<N>-metrics-{start,end}.txt`) of one or more calls -> one
+results file.
+
+  closed_summary.py RUN_DIR [RUN_DIR ...] --version V --model hidden=2048,layers=24,params_b=1.21 --out F \\
+      [--same nospec2:no_spec --same patched2:threshold_0]
+
+Per level and mode (`--same` pools a second server of a mode into it, as in steady_summary.py):
+- `tok_s`: the mean output tok/s over every round of every server of the mode, `tok_s_spread_pct`
+  (max - min) / mean over those rounds, and the ratio to the no-spec servers' mean;
+- from the servers' own counters (end minus start of each level's windows, summed over the mode's
+  servers and rounds): `prefill_passes` by CUDA-graph mode (`sglang:cuda_graph_passes_total`, the
+  prefill_* modes), `prefill_forward_ms_per_req` (the `prefill_forward` stage of
+  `sglang:per_stage_req_latency_seconds`, sum over count) and `ttft_ms` (time to first token, sum over
+  count): what a closed loop spends beyond the decode steps that the steady levels time.
+"""
+import json
+import os
+import re
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from steady_summary import read_runs  # noqa: E402
+
+SAMPLE = re.compile(r"^([A-Za-z_:][\w:]*)(\{[^}]*\})?\s+(\S+)")
+
+
+def metrics(path):
+    """{(name, labels): value} of a Prometheus text exposition (comments and non-numbers left out)."""
+    out = {}
+    for line in open(path):
+        m = SAMPLE.match(line)
+        if m and not line.startswith("#"):
+            try:
+                out[(m.group(1), m.group(2) or "")] = float(m.group(3))
+            except ValueError:
+                pass
+    return out
+
+
+def label_value(labels, key):
+    m = re.search(key + r'="([^"]*)"', labels)
+    return m.group(1) if m else ""
+
+
+def counters(run, label, c):
+    """What the server `label` counted during level c's windows: prefill passes by graph mode, the
+    prefill_forward stage (seconds, requests) and time to first token (seconds, requests)."""
+    base = os.path.join(run, f"closed-{label}-c{c}-metrics-")
+    if not (os.path.exists(base + "start.txt") and os.path.exists(base + "end.txt")):
+        return None
+    start, end = metrics(base + "start.txt"), metrics(base + "end.txt")
+
+    def delta(name, key=None, value=None):
+        return sum(v - start.get(k, 0.0) for k, v in end.items()
+                   if k[0] == name and (key is None or label_value(k[1], key) == value))
+
+    passes = {}
+    for (name, labels) in end:
+        mode = label_value(labels, "mode")
+        if name == "sglang:cuda_graph_passes_total" and mode.startswith("prefill"):
+            passes[mode] = passes.get(mode, 0) + int(round(delta(name, "mode", mode)))
+    stage = "sglang:per_stage_req_latency_seconds"
+    return {"prefill_passes": passes,
+            "prefill_forward": (delta(stage + "_sum", "stage", "prefill_forward"),
+                                delta(stage + "_count", "stage", "prefill_forward")),
+            "ttft": (delta("sglang:time_to_first_token_seconds_sum"),
+                     delta("sglang:time_to_first_token_seconds_count"))}
+
+
+def main():
+    def with_counters(run, label, row):
+        row["counters"] = counters(run, label, row["concurrency"])
+
+    a, model, rows = read_runs("closed", with_counters)
+    levels = sorted({r["concurrency"] for rs in rows.values() for r in rs})
+    # a server's counters cover every round of a level, so each (run, server, level) counts once
+    seen = set()
+
+    def at(mode, c):
+        return [r for r in rows.get(mode, []) if r["concurrency"] == c]
+
+    def mean(xs):
+        return sum(xs) / len(xs) if xs else None
+
+    tok_s, spread, ratio, passes, prefill_ms, ttft = {}, {}, {}, {}, {}, {}
+    for mode in sorted(rows):
+        for field in (tok_s, spread, ratio, passes, prefill_ms, ttft):
+            field[mode] = []
+        for c in levels:
+            values = [r["tok_s"] for r in at(mode, c) if r.get("tok_s")]
+            m = mean(values)
+            base = mean([r["tok_s"] for r in at(a.base, c) if r.get("tok_s")])
+            tok_s[mode].append(round(m, 1) if m else None)
+            spread[mode].append(round(100 * (max(values) - min(values)) / m, 1) if m else None)
+            ratio[mode].append(round(m / base, 3) if m and base else None)
+            counted, fwd, first = {}, [0.0, 0.0], [0.0, 0.0]
+            for r in at(mode, c):
+                key = (r["run"], r["server"], c)
+                if r["counters"] is None or key in seen:
+                    continue
+                seen.add(key)
+                for graph_mode, n in r["counters"]["prefill_passes"].items():
+                    counted[graph_mode] = counted.get(graph_mode, 0) + n
+                fwd = [x + y for x, y in zip(fwd, r["counters"]["prefill_forward"])]
+                first = [x + y for x, y in zip(first, r["counters"]["ttft"])]
+            passes[mode].append({k: v for k, v in sorted(counted.items()) if v})
+            prefill_ms[mode].append(round(1e3 * fwd[0] / fwd[1], 2) if fwd[1] else None)
+            ttft[mode].append(round(1e3 * first[0] / first[1], 1) if first[1] else None)
+    summary = {"levels": levels, "tok_s": tok_s, "tok_s_spread_pct": spread, "tok_s_ratio_vs_" + a.base: ratio,
+               "prefill_passes": passes, "prefill_forward_ms_per_req": prefill_ms, "ttft_ms": ttft,
+               "model": model, "method": "closed loop: c streams, 128 new tokens a request, prefills mixed in; "
+                                         "tok/s per round; prefill counters = end - start of the level's windows"}
+    json.dump({"version": a.version, "runs": [os.path.basename(os.path.normpath(r)) for r in a.runs],
+               "summary": summary, "rows": rows}, open(a.out, "w"), indent=1)
+    for mode in sorted(rows):
+        print(f"{mode:16s} " + " ".join(
+            f"c{c}={t}({x}, prefill {p} ms/req, {g})"
+            for c, t, x, p, g in zip(levels, tok_s[mode], ratio[mode], prefill_ms[mode], passes[mode])))
+
+
+if __name__ == "__main__":
+    main()
