@@ -135,6 +135,23 @@ def test_a_call_before_the_store_call_says_to_make_it(tmp_path, device):
         phase.carried("extra-9.9.tar.xz")
 
 
+def test_a_phase_on_a_machine_without_the_stores_stops_before_it_makes_anything(tmp_path, device, monkeypatch):
+    """A fresh machine has none of an earlier call's stores: setup names every tarball missing and stops
+    before the models (a minute of GPU time) are begun; once the store call ran, nothing is missing."""
+    dest, _ = carry(tmp_path)
+    assert split(dest, 750_000).returncode == 0
+    env, load = device
+    phase = load(dest)
+    begun = []
+    monkeypatch.setattr(phase, "models", lambda: begun.append("models"))
+    with pytest.raises(SystemExit, match=r"^extra-9\.9\.tar\.xz, kernels-9\.9\.tar\.xz, site\.tar\.xz are neither in "
+                                         r".*\.gpu99 nor stored on this machine .*carry \.gpu99a"):
+        phase.setup("9.9", ["pristine"])
+    assert begun == []
+    assert store(tmp_path / ".gpu99a", env).returncode == 0
+    assert phase.missing_tarballs() == []
+
+
 def test_a_stored_copy_of_another_build_is_refused(tmp_path, device):
     dest, _ = carry(tmp_path)
     assert split(dest, 750_000).returncode == 0

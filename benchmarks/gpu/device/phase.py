@@ -98,17 +98,35 @@ def carried(name):
                     shutil.copyfileobj(f, out, 1 << 20)
         os.rename(stored + ".part", stored)
     if not os.path.exists(stored):
-        raise SystemExit(f"{name} is neither in {CARRY} nor stored on this machine ({STORED}): carry "
-                         f"{os.path.basename(CARRY)}a (and {os.path.basename(CARRY)}b ... where prepare.sh made "
-                         f"them) each in a `store` call first, then this one at once (benchmarks/gpu/README.md)")
+        raise SystemExit(not_stored(f"{name} is"))
     check_sum(name, stored)
     return stored
+
+
+def not_stored(what):
+    """The error for carry files (`what`: "NAME is") that this machine lacks, and what to do about it."""
+    return (f"{what} neither in {CARRY} nor stored on this machine ({STORED}): carry "
+            f"{os.path.basename(CARRY)}a (and {os.path.basename(CARRY)}b ... where prepare.sh made "
+            f"them) each in a `store` call first, then this one at once (benchmarks/gpu/README.md)")
 
 
 def has(name):
     """Whether the carry has the file `name`, here or stored by a `store` call (whole or as part-a)."""
     return any(os.path.exists(p) for p in (os.path.join(CARRY, name), os.path.join(STORED, name),
                                            os.path.join(STORED, name + ".part-a")))
+
+
+def missing_tarballs():
+    """The carry's tarballs (SHA256SUMS's `*.tar.xz`) that neither travelled in this call nor were
+    stored on this machine: a phase that needs them would stop at the first, so setup stops before
+    it starts anything (a fresh machine has none of an earlier call's stores)."""
+    sums = os.path.join(CARRY, "SHA256SUMS")
+    names = [line.split(None, 1)[1] for line in (open(sums).read().splitlines() if os.path.exists(sums) else [])]
+    names = [n[2:] if n.startswith("./") else n for n in names]
+    return [n for n in names if n.endswith(".tar.xz") and "/" not in n
+            and not (os.path.exists(os.path.join(CARRY, n)) or os.path.exists(os.path.join(STORED, n))
+                     or (os.path.exists(os.path.join(STORED, n + ".part-a"))
+                         and os.path.exists(os.path.join(CARRY, n + ".part-b"))))]
 
 
 def check_sum(name, path):
@@ -356,6 +374,9 @@ def models():
 
 def setup(version, kinds):
     """Trees, JIT and models; the models are made on the GPU while the CPU work runs."""
+    missing = missing_tarballs()
+    if missing:
+        raise SystemExit(not_stored(f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'}"))
     made = {}
     mt = threading.Thread(target=lambda: made.update(m=models()))
     mt.start()
