@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from test_gpu_steady_summary import run_summary
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu" / "closed_summary.py"
 M = 'model_name="/m/target",tp_rank="0"'
 
@@ -41,9 +43,7 @@ def _server(run, label, prefill_mode, tok_s, start, end):
 
 
 def _run(tmp_path, *args):
-    return subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "run"), "--version", "0.5.14",
-                           "--model", "hidden=2048,layers=24,params_b=1.21", "--out", str(tmp_path / "out.json"),
-                           *args], capture_output=True, text=True)
+    return run_summary(SCRIPT, tmp_path, *args)
 
 
 def test_closed_loop_tok_s_and_prefill_counters_per_mode(tmp_path):

@@ -16,10 +16,15 @@ def _rows(steps):
     return [{"concurrency": c, "step_ms": sum(w) / len(w), "step_ms_windows": w} for c, w in steps]
 
 
-def _run(tmp_path, *args):
-    return subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "run"), "--version", "0.5.14",
+def run_summary(script, tmp_path, *args):
+    """A summary script over the call folder tmp_path/run, writing tmp_path/out.json."""
+    return subprocess.run([sys.executable, str(script), str(tmp_path / "run"), "--version", "0.5.14",
                            "--model", "hidden=2048,layers=24,params_b=1.21", "--out", str(tmp_path / "out.json"),
                            *args], capture_output=True, text=True)
+
+
+def _run(tmp_path, *args):
+    return run_summary(SCRIPT, tmp_path, *args)
 
 
 def test_a_second_server_of_a_mode_is_pooled_into_it(tmp_path):

@@ -3,8 +3,10 @@
 each level's server metrics (`closed-<label>-c<N>-metrics-{start,end}.txt`) of one or more calls -> one
 results file.
 
-  closed_summary.py RUN_DIR [RUN_DIR ...] --version V --model hidden=2048,layers=24,params_b=1.21 --out F \\
-      [--same nospec2:no_spec --same patched2:threshold_0]
+  .venv/bin/python benchmarks/gpu/closed_summary.py RUN_DIR [RUN_DIR ...] --version V \\
+      --model hidden=2048,layers=24,params_b=1.21 --out F [--same nospec2:no_spec --same patched2:threshold_0]
+
+(the project's environment: it reads the metrics with dynctl's own Prometheus parser)
 
 Per level and mode (`--same` pools a second server of a mode into it, as in steady_summary.py):
 - `tok_s`: the mean output tok/s over every round of every server of the mode, `tok_s_spread_pct`
@@ -17,31 +19,17 @@ Per level and mode (`--same` pools a second server of a mode into it, as in stea
 """
 import json
 import os
-import re
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(os.path.dirname(HERE))]  # steady_summary.py; dynctl's metrics parser
 from steady_summary import read_runs  # noqa: E402
 
-SAMPLE = re.compile(r"^([A-Za-z_:][\w:]*)(\{[^}]*\})?\s+(\S+)")
+from dynctl.base.parsers.prometheus import parse_prometheus  # noqa: E402
 
-
-def metrics(path):
-    """{(name, labels): value} of a Prometheus text exposition (comments and non-numbers left out)."""
-    out = {}
-    for line in open(path):
-        m = SAMPLE.match(line)
-        if m and not line.startswith("#"):
-            try:
-                out[(m.group(1), m.group(2) or "")] = float(m.group(3))
-            except ValueError:
-                pass
-    return out
-
-
-def label_value(labels, key):
-    m = re.search(key + r'="([^"]*)"', labels)
-    return m.group(1) if m else ""
+PASSES = "sglang:cuda_graph_passes_total"
+STAGE = "sglang:per_stage_req_latency_seconds"
+TTFT = "sglang:time_to_first_token_seconds"
 
 
 def counters(run, label, c):
@@ -50,23 +38,19 @@ def counters(run, label, c):
     base = os.path.join(run, f"closed-{label}-c{c}-metrics-")
     if not (os.path.exists(base + "start.txt") and os.path.exists(base + "end.txt")):
         return None
-    start, end = metrics(base + "start.txt"), metrics(base + "end.txt")
+    start, end = (parse_prometheus(open(base + when).read()) for when in ("start.txt", "end.txt"))
 
-    def delta(name, key=None, value=None):
-        return sum(v - start.get(k, 0.0) for k, v in end.items()
-                   if k[0] == name and (key is None or label_value(k[1], key) == value))
+    def delta(name, **match):
+        """The series of `name` whose labels match, end minus start, summed."""
+        before = {tuple(sorted(s.labels.items())): s.value for s in start.get(name, [])}
+        return sum(s.value - before.get(tuple(sorted(s.labels.items())), 0.0) for s in end.get(name, [])
+                   if all(s.labels.get(k) == v for k, v in match.items()))
 
-    passes = {}
-    for (name, labels) in end:
-        mode = label_value(labels, "mode")
-        if name == "sglang:cuda_graph_passes_total" and mode.startswith("prefill"):
-            passes[mode] = passes.get(mode, 0) + int(round(delta(name, "mode", mode)))
-    stage = "sglang:per_stage_req_latency_seconds"
-    return {"prefill_passes": passes,
-            "prefill_forward": (delta(stage + "_sum", "stage", "prefill_forward"),
-                                delta(stage + "_count", "stage", "prefill_forward")),
-            "ttft": (delta("sglang:time_to_first_token_seconds_sum"),
-                     delta("sglang:time_to_first_token_seconds_count"))}
+    modes = sorted({s.labels.get("mode", "") for s in end.get(PASSES, [])})
+    return {"prefill_passes": {m: int(round(delta(PASSES, mode=m))) for m in modes if m.startswith("prefill")},
+            "prefill_forward": (delta(STAGE + "_sum", stage="prefill_forward"),
+                                delta(STAGE + "_count", stage="prefill_forward")),
+            "ttft": (delta(TTFT + "_sum"), delta(TTFT + "_count"))}
 
 
 def main():

@@ -111,33 +111,36 @@ def not_stored(what):
 
 
 def has(name):
-    """Whether the carry has the file `name`, here or stored by a `store` call (whole or as part-a)."""
-    return any(os.path.exists(p) for p in (os.path.join(CARRY, name), os.path.join(STORED, name),
-                                           os.path.join(STORED, name + ".part-a")))
+    """Whether the carry has the file `name`: here, stored by a `store` call, or as its stored part-a
+    with the part-b here."""
+    return (os.path.exists(os.path.join(CARRY, name)) or os.path.exists(os.path.join(STORED, name))
+            or (os.path.exists(os.path.join(STORED, name + ".part-a"))
+                and os.path.exists(os.path.join(CARRY, name + ".part-b"))))
 
 
 def missing_tarballs():
-    """The carry's tarballs (SHA256SUMS's `*.tar.xz`) that neither travelled in this call nor were
-    stored on this machine: a phase that needs them would stop at the first, so setup stops before
-    it starts anything (a fresh machine has none of an earlier call's stores)."""
-    sums = os.path.join(CARRY, "SHA256SUMS")
-    names = [line.split(None, 1)[1] for line in (open(sums).read().splitlines() if os.path.exists(sums) else [])]
-    names = [n[2:] if n.startswith("./") else n for n in names]
-    return [n for n in names if n.endswith(".tar.xz") and "/" not in n
-            and not (os.path.exists(os.path.join(CARRY, n)) or os.path.exists(os.path.join(STORED, n))
-                     or (os.path.exists(os.path.join(STORED, n + ".part-a"))
-                         and os.path.exists(os.path.join(CARRY, n + ".part-b"))))]
+    """The carry's tarballs (SHA256SUMS's `*.tar.xz`) that this machine lacks (`has`): a phase that
+    needs them would stop at the first, so setup stops before it starts anything (a fresh machine has
+    none of an earlier call's stores)."""
+    return [n for n in carry_sums() if n.endswith(".tar.xz") and "/" not in n and not has(n)]
 
 
-def check_sum(name, path):
-    """A file that did not travel in this call must be the one prepare.sh built for this carry."""
+def carry_sums():
+    """{file: sha256} of the carry as prepare.sh built it (its SHA256SUMS; empty without one)."""
     sums = os.path.join(CARRY, "SHA256SUMS")
     want = {}
     for line in (open(sums).read().splitlines() if os.path.exists(sums) else []):
         digest, listed = line.split(None, 1)
         want[listed[2:] if listed.startswith("./") else listed] = digest
+    return want
+
+
+def check_sum(name, path):
+    """A file that did not travel in this call must be the one prepare.sh built for this carry."""
+    want = carry_sums()
     if name not in want:
-        raise SystemExit(f"{name}: stored on this machine, but {sums} does not list it; rebuild the carry")
+        raise SystemExit(f"{name}: stored on this machine, but {os.path.join(CARRY, 'SHA256SUMS')} does not "
+                         f"list it; rebuild the carry")
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -399,8 +402,9 @@ def gpu_free_gib():
 
 # SERVER_CORES=N: each server launched in a call runs on N cores of its own (its processes inherit the
 # affinity; whole physical cores, N rounded up to them), taken from the top of this process's cores,
-# so that a host-bound step measures the server's code and not which cores it shared; the load and py-spy keep the rest, and this process (whose threads
-# are the load) moves off the pinned cores while a server holds them. Unset: no pinning.
+# so that a host-bound step measures the server's code and not which cores it shared; the load and
+# py-spy keep the rest, and this process (whose threads are the load) moves off the pinned cores while
+# a server holds them. Unset: no pinning.
 _PINNED = []
 _OWN_CORES = set()  # this process's cores before it pinned a server
 
