@@ -57,5 +57,6 @@ def test_closing_the_channel_stops_the_load_on_the_host(sshd, server, tmp_path):
     with contextlib.closing(agent.stream("bench_level", concurrency=3, input_len=4, output_len=50,
                                          duration=60, warmup=0, tick_s=0.2)) as items:
         assert next(iter(items))["type"] == "tick"
-        assert generators() and server.requests >= 3
+        wait_for(lambda: server.requests >= 3, 10, "the three streams to reach the server")
+        assert generators()
     wait_for(lambda: not (generators() or server.running), 10, "the host to stop sending load after the channel closed")

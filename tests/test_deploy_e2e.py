@@ -11,6 +11,7 @@ import threading
 
 import httpx
 import pytest
+from polling import wait_for
 from demo_box import dynctl, server_info, server_pid, session, start_baseline, tree_sha256, with_text
 
 from dynctl.core import deploy as core
@@ -91,8 +92,11 @@ def test_missing_comma_is_refused_before_the_server_is_touched(demo_box):
     t = threading.Thread(target=client)
     t.start()
     try:
+        wait_for(lambda: served > 0, 30, "the first request served")
         with pytest.raises(PreflightError) as info:
             core.deploy(s.agent, dplan, ready_timeout=60)
+        before = served
+        wait_for(lambda: served > before, 30, "a request served after the refusal")
     finally:
         done.set()
         t.join()

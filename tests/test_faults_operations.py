@@ -154,11 +154,17 @@ def test_the_same_operation_id_twice_starts_one_operation(local_demo):
 def interrupt_dynctl(config: Path, args: list[str], when: Callable[[], bool]) -> tuple[int, str, str]:
     """Run `dynctl ARGS --yes` and press Ctrl-C (SIGINT) as soon as `when` holds; its exit code and output."""
     proc = subprocess.Popen([sys.executable, "-m", "dynctl", *args, "--yes", "--config", str(config)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
+                            env=dict(os.environ, PYTHONFAULTHANDLER="1"))
     try:
         wait_for(when, 120, f"the moment to interrupt `dynctl {' '.join(args)}`")
         proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=120)
+        try:
+            out, err = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)  # faulthandler prints where every thread of it waits
+            out, err = proc.communicate(timeout=30)
+            raise AssertionError(f"`dynctl {' '.join(args)}` went on 120 s after Ctrl-C:\n{out}\n{err}") from None
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -62,7 +62,7 @@ def test_a_live_threshold_change_during_a_deploy_is_refused_naming_the_deploy(de
 
     def deploy() -> None:
         agent = session(config).agent
-        deployed.update(core.deploy(agent, core.plan_deploy(agent, host.host, 5), ready_timeout=60, soak=6))
+        deployed.update(core.deploy(agent, core.plan_deploy(agent, host.host, 5), ready_timeout=60, soak=20))
 
     worker = threading.Thread(target=deploy)
     worker.start()
