@@ -257,9 +257,7 @@ def plain_step_tokens(
     lens_of = attrgetter(holder) if holder else (lambda req: req)
     # what a finished and a live request add to their committed length
     finished_adds, live_adds = (-1, 0) if pre_claimed else (0, 1)
-    out = []
-    for req, token in zip(requests, tokens):
-        out.append([token])
+    for req in requests:
         if req.is_retracted:
             continue
         if req.finished():
@@ -275,7 +273,7 @@ def plain_step_tokens(
         if adds:
             lens = lens_of(req)
             setattr(lens, length, getattr(lens, length) + adds)
-    return out
+    return [[token] for token in tokens]
 
 
 def unsupported_reason(server_args: Any) -> Optional[str]:

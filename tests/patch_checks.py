@@ -260,18 +260,12 @@ def check_lean_plain_step_schedule_batch(texts: dict[str, str]) -> None:
     stash = ast.unparse(_method(overlap, "stash"))
     assert stash.index("payload.topk_p is None and self._forward_buf_initialized") < stash.index(
         "if not self._forward_buf_initialized:")
-    # a plain step's host lengths (old + 1) ride to the next resolve through the publish of that step alone,
-    # and are taken before the device-to-host copy and its wait, only for the same batch
-    assert "self._spec_disable_host_pending = (batch.req_pool_indices_cpu.clone(), batch.seq_lens_cpu + 1)" in resolve
+    # a plain step's rows and host lengths (old + 1) ride to the next resolve through the publish of that
+    # step alone (tests/test_patch_plain_lens.py runs publish and resolve_seq_lens_cpu), set where the
+    # plain step is decided
+    assert "self._spec_disable_host_pending = (batch.req_pool_indices_cpu.clone(), host_lens)" in resolve
     assert resolve.index("decide(batch)") < resolve.index("self._spec_disable_host_pending = ") < resolve.index(
         "gather_spec_extras(")
-    publish = ast.unparse(_method(overlap, "publish"))
-    assert publish.index("self._spec_disable_host_lens = getattr(self, '_spec_disable_host_pending', None)") < (
-        publish.index("self._spec_disable_host_pending = None")) < publish.index("self.new_seq_lens_buf[indices] = ")
-    seq = ast.unparse(_method(overlap, "resolve_seq_lens_cpu"))
-    assert seq.index("if not self.needs_cpu_seq_lens:") < seq.index(
-        "if host is not None and torch.equal(host[0], batch.req_pool_indices_cpu):") < seq.index(
-        "self.fwd_prepare_d2h_stream.synchronize()")
     # prepare_for_decode's host kv lengths are pinned before their non-blocking copies to the device
     if "srt/speculative/eagle_info_v2.py" in texts:
         prepare = ast.unparse(_method(_class(ast.parse(texts["srt/speculative/eagle_info_v2.py"]),
@@ -282,12 +276,15 @@ def check_lean_plain_step_schedule_batch(texts: dict[str, str]) -> None:
     assert prepare.index("nxt_kv_lens_cpu = torch.tensor(") < prepare.index(
         "cur_kv_lens_cpu, nxt_kv_lens_cpu = (cur_kv_lens_cpu.pin_memory(), nxt_kv_lens_cpu.pin_memory())") < (
         prepare.index("cur_kv_lens_device = cur_kv_lens_cpu.to(device=batch.device, non_blocking=True)"))
-    # the step hands the FutureMap the sampler's tensor (int64 when greedy, the buffer's dtype), and the
-    # scheduler the int32 tokens a verify gives
+    # the step hands the FutureMap and the scheduler the sampler's own tensor, unconverted (int64 when
+    # greedy, the buffer's dtype), and accept lengths of 1 kept on the host: nothing to copy back
     step = ast.unparse(_method(_class(ast.parse(texts["srt/speculative/eagle_worker_v2.py"]), "EAGLEWorkerV2"),
                                "_forward_batch_generation_no_spec"))
-    assert step.index("sampled = result.next_token_ids") < step.index("tokens = sampled.to(torch.int32)") < (
-        step.index("next_draft = EagleDraftInput(bonus_tokens=sampled)"))
+    assert step.index("sampled = result.next_token_ids") < step.index(
+        "next_draft = EagleDraftInput(bonus_tokens=sampled)")
+    assert "result.next_token_ids =" not in step and "sampled.to(" not in step
+    assert "self._spec_disable_ones = torch.ones(max(bs, 256), dtype=torch.int32)" in step
+    assert step.index("self._spec_disable_ones = torch.ones(") < step.index("result.accept_lens = ones[:bs]")
     cls = _class(ast.parse(texts["srt/managers/scheduler.py"]), "Scheduler")
     init = ast.unparse(_method(cls, "__init__"))
     assert init.index("self.init_overlap()") < init.index(

@@ -78,8 +78,7 @@ def test_a_release_partly_measured_says_what_its_gpu_runs_showed():
     assert unmeasured_note("0.5.16") == f"patch not measured on a GPU for sglang 0.5.16 in full: {gpu}"
     for version in ("0.5.15", "0.5.15.post1", "0.5.17"):  # 0.5.15*: two releases of one variant
         gpu = releases()[version].gpu
-        assert gpu and f"{version}-1.2b-steady.json" in gpu
-        assert (f"{version}-5.9b-steady.json" in gpu) == (version != "0.5.17")  # 0.5.17: one shape so far
+        assert gpu and f"{version}-1.2b-steady.json" in gpu and f"{version}-5.9b-steady.json" in gpu
         assert unmeasured_note(version) == f"patch not measured on a GPU for sglang {version} in full: {gpu}"
     assert unmeasured_note("0.5.18").endswith("its disabled-step cost and correctness were not measured")
     assert unmeasured_note("0.5.14") is None
