@@ -27,7 +27,10 @@ NEVER = -1
 # stay in step and speculation resumes warm; "skip" runs nothing, so speculation resumes
 # cold (the draft's KV for the tokens decoded meanwhile is stale, which lowers its
 # acceptance for the requests that lived through the disabled steps; output is unchanged);
-# "auto" (the default) extends when the draft is small next to the target.
+# "auto" (the default) extends when the draft is small next to the target. Releases without a
+# one-token draft-extend path (sglang 0.5.14 on) skip the draft on those steps in every mode, and
+# skip its prefill of the requests that arrive while speculation is disabled unless the mode is
+# "extend" (those requests then resume cold too).
 DRAFT_MODE_ENV = "SGLANG_SPEC_THRESHOLD_DRAFT"
 DRAFT_EXTEND = "extend"
 DRAFT_SKIP = "skip"

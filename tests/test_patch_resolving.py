@@ -252,7 +252,7 @@ def _worker(version: str, tmp_path: Path, args, bag: _Bag):
                  "get_parallel": lambda: types.SimpleNamespace(tp_rank=0),
                  "hybrid_arch": types.SimpleNamespace(mambaish_config=lambda model_config: None),
                  "DecodeCudaGraphRunner": type("DecodeCudaGraphRunner", (), {}),
-                 **{name: getattr(sbt, name) for name in ("DRAFT_MODE_ENV", "DRAFT_SKIP", "SpecDisableMetrics",
+                 **{name: getattr(sbt, name) for name in ("DRAFT_MODE_ENV", "DRAFT_EXTEND", "DRAFT_SKIP", "SpecDisableMetrics",
                                                           "SpecDisablePolicy", "draft_mode")}}
     cls = ast.ClassDef(name="Worker", bases=[], keywords=[], body=methods, decorator_list=[])
     worker_cls = _run([ast.fix_missing_locations(ast.copy_location(cls, methods[0]))], namespace, WORKER)["Worker"]

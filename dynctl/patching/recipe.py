@@ -39,10 +39,15 @@ class Insertion:
     anchor: str = ""  # exact text, starting at a line start, that must occur exactly once
     before: bool = False  # insert before the anchor instead of after it
     at_end: bool = False  # append at the end of the file (anchor unused)
+    dedent: int = 0  # spaces taken off each line of the fragment (the same code one block further out)
 
     @property
     def text(self) -> str:
-        return fragment_text(self.fragment)
+        text = fragment_text(self.fragment)
+        if not self.dedent:
+            return text
+        cut = " " * self.dedent
+        return "".join(line.removeprefix(cut) for line in text.splitlines(keepends=True))
 
 
 @dataclass(frozen=True)
@@ -108,11 +113,12 @@ def releases() -> dict[str, Release]:
 def _insertion(entry: dict[str, Any], where: str) -> Insertion:
     anchors = table()["anchors"]
     name = entry.get("after") or entry.get("before")
+    dedent = entry.get("dedent", 0)
     if entry.get("at_end"):
-        return Insertion(entry["what"], entry["fragment"], at_end=True)
+        return Insertion(entry["what"], entry["fragment"], at_end=True, dedent=dedent)
     if name not in anchors:
         raise KeyError(f"patches/variants.toml: {where}: unknown anchor {name!r}")
-    return Insertion(entry["what"], entry["fragment"], anchors[name], before="before" in entry)
+    return Insertion(entry["what"], entry["fragment"], anchors[name], before="before" in entry, dedent=dedent)
 
 
 @cache

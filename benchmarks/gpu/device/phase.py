@@ -1138,11 +1138,12 @@ def phase_profile(a):
     if os.environ.get("PROFILE_EAGLE3"):
         plan.append(Server("eagle3", 30001, envs["pristine"], common_args(m, True, big)))
     # PROFILE_SERVERS: more servers, a JSON list of {"name", "tree" (pristine/patched/...), "spec": bool,
-    # "args": [server flags], "threshold": set before each level (omit: as started)}
+    # "args": [server flags], "env": {variables of its own}, "threshold": set before each level (omit: as
+    # started)}
     extra_servers = json.loads(os.environ.get("PROFILE_SERVERS") or "[]")
     for i, x in enumerate(extra_servers):
         spec = bool(x.get("spec"))
-        plan.append(Server(x["name"], 30020 + i, envs[x.get("tree", "patched")],
+        plan.append(Server(x["name"], 30020 + i, dict(envs[x.get("tree", "patched")], **x.get("env", {})),
                            common_args(m, spec, (thr if spec and x.get("tree", "patched") != "pristine" else [])
                                        + big + list(x.get("args", [])))))
     servers = launch_all(plan)
