@@ -19,7 +19,7 @@ from typing import Optional
 
 import pytest
 from test_patch_policy import sbt
-from test_patch_resolving import WORKER, _args, _Bag, _definitions, _patched, _run, _worker
+from test_patch_resolving import WORKER, _args, _Bag, _class_of, _definitions, _patched, _worker
 
 RELEASES = ["0.5.14", "0.5.15", "0.5.16", "0.5.17", "0.5.18", "0.5.19", "0.5.20", "0.5.21", "0.5.22"]
 
@@ -88,8 +88,7 @@ def _prefill_worker(version: str):
                  "CaptureHiddenMode": types.SimpleNamespace(NULL="null", FULL="full", LAST="last"),
                  "speculative_moe_backend_context": nullcontext, "speculative_moe_a2a_backend_context": nullcontext,
                  "spec_stage_span": nullcontext, "draft_tp_context": nullcontext}
-    cls = ast.ClassDef(name="Worker", bases=[], keywords=[], body=methods, decorator_list=[])
-    worker_cls = _run([ast.fix_missing_locations(ast.copy_location(cls, methods[0]))], namespace, WORKER)["Worker"]
+    worker_cls = _class_of(methods, namespace, WORKER, "Worker")
     worker = worker_cls.__new__(worker_cls)
     worker.target_worker, worker.draft_worker = Target(), Draft()
     worker._draft_worker = worker.draft_worker  # 0.5.19 on: a pipeline stage without the draft has None
@@ -97,7 +96,6 @@ def _prefill_worker(version: str):
     worker.enable_dp_spec_prefill_coordination = False
     # what _init_spec_disable leaves, armed at 5, the draft skipped while disabled
     worker._spec_disable_policy = sbt.SpecDisablePolicy(5)
-    worker._spec_disable_reason = None
     worker._spec_disable_prefills_draft = False
     worker._spec_disable_draft_primed = False
     worker.live_threshold = 5
