@@ -20,7 +20,25 @@ def test_same_second_switches_keep_log_order() -> None:
 def test_gauge_only_change_is_a_switch_at_the_sample_time() -> None:
     first = build_snapshot(item(T0, 0, 3), "h")
     second = build_snapshot(item(T0 + 1, 1, 9), "h", first)  # no log line came (say, the tail was cut)
-    assert second.speculation is False and second.switches == (Switch(T0 + 1, False),)
+    assert second.speculation is False and second.switches == (Switch(T0 + 1, False, source="gauge"),)
+
+
+def test_the_log_line_of_a_flip_the_gauge_showed_first_takes_its_place() -> None:
+    # the sample at T0+2 sees the gauge OFF; the log's line of that step (stamped T0+1) comes one sample later
+    h = HostHistory("h")
+    first = build_snapshot(item(T0, 0, 3), "h")
+    gauge = build_snapshot(item(T0 + 2, 1, 9), "h", first)
+    logged = build_snapshot(item(T0 + 3, 2, 9, marks=[transition_line(T0 + 1, False, 9, 5)]), "h", gauge)
+    later = build_snapshot(item(T0 + 4, 3, 9), "h", logged)
+    for snap in (first, gauge, logged, later):
+        h.add(snap)
+    assert gauge.last_switch == Switch(T0 + 2, False, source="gauge")
+    assert logged.last_switch == later.last_switch == Switch(T0 + 1, False, 9, 5)
+    assert h.switches() == [Switch(T0 + 1, False, 9, 5)]  # one mark on the chart, not two
+    # an older line of the other way does not displace a newer flip the gauge showed
+    back = build_snapshot(item(T0 + 5, 4, 3), "h", later)
+    stale = build_snapshot(item(T0 + 6, 5, 3, marks=[transition_line(T0 + 1, False, 9, 5)]), "h", back)
+    assert stale.last_switch == back.last_switch == Switch(T0 + 5, True, source="gauge")
 
 
 def test_a_restarted_server_forgets_its_drain_and_warnings() -> None:
@@ -28,7 +46,7 @@ def test_a_restarted_server_forgets_its_drain_and_warnings() -> None:
             "enabled (batch sizes differ). Speculation is never disabled.")
     a = build_snapshot(item(T0, 0, 3, marks=[warn], started=T0 - 10), "h")
     assert a.spec_warning == "threshold 5 is not armed: DP attention is enabled (batch sizes differ)"
-    drain = f"[2026-11-29 11:00:05] SIGTERM received. signum=None frame=None. Draining requests and shutting down..."
+    drain = "[2026-11-29 11:00:05] SIGTERM received. signum=None frame=None. Draining requests and shutting down..."
     b = build_snapshot(item(T0 + 5, 1, 3, marks=[drain]), "h", a)
     assert b.state == "draining"
     c = build_snapshot(item(T0 + 30, 0, 0, pid=5151, started=T0 + 20), "h", b)  # new pid: a new run

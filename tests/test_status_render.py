@@ -28,3 +28,15 @@ def threshold_row(capsys, threshold, source: str, age_s) -> str:
 def test_the_threshold_row_says_where_the_value_came_from(capsys, threshold, source, age_s, said, not_said):
     row = threshold_row(capsys, threshold, source, age_s)
     assert said in row and not_said not in row, row
+
+
+@pytest.mark.parametrize(("switch", "said"), [
+    ({"time": 1.0, "enabled": False, "batch_size": 9, "threshold": 5, "source": "log"}, "last switch at batch 9"),
+    ({"time": 1.0, "enabled": False, "batch_size": None, "threshold": None, "source": "gauge"},
+     "last switch seen in the metrics gauge; its log line not read yet"),
+])
+def test_the_speculation_row_names_the_batch_only_when_the_log_gave_it(capsys, switch, said):
+    capsys.readouterr()
+    hosts.render_server(PATCH, {"state": "ready", "speculation": False, "last_switch": switch})
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("speculation"))
+    assert said in row and "None" not in row, row

@@ -160,8 +160,10 @@ def render_server(patch: dict[str, Any], server: dict[str, Any]) -> None:
     spec = server.get("speculation")
     spec_text = "[dim]unknown[/]" if spec is None else ("[green]ON[/]" if spec else "[yellow]OFF[/]")
     switch = server.get("last_switch")
-    if switch:
-        spec_text += f"  [dim](last switch at batch {switch.get('batch_size')})[/]"
+    if switch and switch.get("batch_size") is not None:
+        spec_text += f"  [dim](last switch at batch {switch['batch_size']})[/]"
+    elif switch:
+        spec_text += "  [dim](last switch seen in the metrics gauge; its log line not read yet)[/]"
     table.add_row("speculation", spec_text)
     table.add_row("throughput", f"{_fmt(server.get('gen_throughput'), '.1f')} tok/s"
                                 f"{_provenance(sources.get('gen_throughput'))}, accept length "

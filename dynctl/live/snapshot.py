@@ -59,6 +59,7 @@ class Switch:
     enabled: bool
     batch_size: int | None = None
     threshold: int | None = None
+    source: str = "log"  # "gauge": the metrics gauge flipped before the log's line came; time is the sample's
 
 
 @dataclass(frozen=True)
@@ -309,10 +310,14 @@ def _last_switch(switches: list[Switch], speculation: bool | None, t: float, idl
     """The newest switch known; one seen in the gauge only is added to `switches`."""
     if (not switches and speculation is not None and run_prev is not None and not run_prev.idle
             and not idle and run_prev.speculation is not None and run_prev.speculation != speculation):
-        switches.append(Switch(t, speculation))  # seen in the gauge only: the sample time is the best we know
+        # seen in the gauge only: the sample time is the best we know
+        switches.append(Switch(t, speculation, source="gauge"))
     last = latest_switch(switches) if switches else (prev.last_switch if prev else None)
-    if last is not None and prev is not None and prev.last_switch is not None and prev.last_switch.time > last.time:
-        return prev.last_switch
+    shown = prev.last_switch if prev is not None else None
+    if last is not None and shown is not None and shown.time > last.time:
+        if shown.source == "gauge" and last.source == "log" and last.enabled == shown.enabled:
+            return last  # the log's line of the flip the gauge showed first: its own time, batch and threshold
+        return shown
     return last
 
 
@@ -498,6 +503,7 @@ class HostHistory:
             known = {(s.time, s.enabled) for s in self._switches}
             for s in snap.switches:
                 if (s.time, s.enabled) not in known:  # a new stream re-reads the log's recent marks
+                    self._replace_gauge_mark(s)
                     self._switches.append(s)
             if snap.switches:
                 self._switches = deque(sorted(self._switches, key=lambda s: s.time))
@@ -514,6 +520,15 @@ class HostHistory:
                 self._points.popleft()
             while self._switches and self._switches[0].time < horizon:
                 self._switches.popleft()
+
+    def _replace_gauge_mark(self, s: Switch) -> None:
+        """A log line of a flip already marked from the gauge (the newest mark, same way, sampled after the
+        line's time) takes that mark's place."""
+        if s.source != "log" or not self._switches:
+            return
+        newest = max(self._switches, key=lambda m: m.time)
+        if newest.source == "gauge" and newest.enabled == s.enabled and newest.time >= s.time:
+            self._switches.remove(newest)
 
     @property
     def latest(self) -> HostSnapshot | None:
