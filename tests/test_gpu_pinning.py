@@ -7,6 +7,7 @@ a real process whose affinity the kernel reports; it starts a child as sglang st
 
 from __future__ import annotations
 
+import json
 import os
 import textwrap
 
@@ -87,3 +88,48 @@ def test_thread_siblings_are_read_from_the_kernel(phase):  # noqa: F811
         siblings = phase._thread_siblings(cpu)
         assert cpu in siblings
         assert all(cpu in phase._thread_siblings(s) for s in siblings)
+
+
+def test_a_slot_shift_gives_each_server_the_cores_of_the_one_further_on(phase, monkeypatch):  # noqa: F811
+    """Slots go by launch order (the highest cores first); SERVER_SLOT_SHIFT=1 launches the plan one
+    place on, so its first server gets the cores its second one gets without the shift."""
+    monkeypatch.setattr(phase, "_thread_siblings", lambda c: {c})
+    monkeypatch.setattr(phase.os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setattr(phase.os, "sched_setaffinity", lambda pid, cores: None)
+    monkeypatch.setenv("SERVER_CORES", "2")
+    launched = []
+    monkeypatch.setattr(phase.Server, "launch", lambda self: (launched.append(self.name),
+                                                              setattr(self, "cores", phase._cores_for_next_server())))
+    monkeypatch.setattr(phase.Server, "wait_ready", lambda self: True)
+    probed = []
+    monkeypatch.setattr(phase, "core_probe", lambda servers: probed.append(sorted(s.name for s in servers)))
+
+    def slots(shift):
+        monkeypatch.setattr(phase, "_PINNED", [])
+        monkeypatch.setenv("SERVER_SLOT_SHIFT", str(shift))
+        launched.clear()
+        ready = phase.launch_all([phase.Server(n, 39100 + i) for i, n in enumerate(("a", "b", "c"))])
+        return launched[:], {name: s.cores for name, s in ready.items()}
+
+    assert slots(0) == (["a", "b", "c"], {"a": [6, 7], "b": [4, 5], "c": [2, 3]})
+    assert slots(1) == (["b", "c", "a"], {"b": [6, 7], "c": [4, 5], "a": [2, 3]})
+    assert slots(4) == slots(1)  # modulo the plan's length
+    assert probed == [["a", "b", "c"]] * 4
+
+
+def test_the_core_probe_times_every_pinned_core_alone_and_together(phase, monkeypatch):  # noqa: F811
+    cores = sorted(os.sched_getaffinity(0))
+    assert len(cores) >= 2, "the test needs two cores: one for a server's slot, one for the load"
+    os.makedirs(phase.RES, exist_ok=True)
+    monkeypatch.setattr(phase, "_OWN_CORES", set(cores))
+    monkeypatch.setattr(phase, "_PINNED", [cores[1:]])
+    server = phase.Server("t0", 39200)
+    server.cores = cores[1:]
+    probe = phase.core_probe([server], loops=20_000)
+    assert list(probe) == ["t0", "load"]
+    assert probe["t0"]["cores"] == cores[1:] and probe["load"]["cores"] == [cores[0]]
+    for slot in probe.values():
+        assert len(slot["alone_ms"]) == len(slot["together_ms"]) == len(slot["cores"])
+        assert all(ms > 0 for ms in slot["alone_ms"] + slot["together_ms"])
+    written = json.loads(open(os.path.join(phase.RES, "core-probe.json")).read())
+    assert written == {"loops": 20_000, "slots": probe}

@@ -23,7 +23,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(os.path.dirname(HERE))]  # steady_summary.py; dynctl's metrics parser
-from steady_summary import read_runs  # noqa: E402
+from steady_summary import read_runs, run_file_text  # noqa: E402
 
 from dynctl.base.parsers.prometheus import parse_prometheus  # noqa: E402
 
@@ -35,10 +35,10 @@ TTFT = "sglang:time_to_first_token_seconds"
 def counters(run, label, c):
     """What the server `label` counted during level c's windows: prefill passes by graph mode, the
     prefill_forward stage (seconds, requests) and time to first token (seconds, requests)."""
-    base = os.path.join(run, f"closed-{label}-c{c}-metrics-")
-    if not (os.path.exists(base + "start.txt") and os.path.exists(base + "end.txt")):
+    texts = [run_file_text(run, f"closed-{label}-c{c}-metrics-{when}.txt") for when in ("start", "end")]
+    if None in texts:
         return None
-    start, end = (parse_prometheus(open(base + when).read()) for when in ("start.txt", "end.txt"))
+    start, end = (parse_prometheus(text) for text in texts)
 
     def delta(name, **match):
         """The series of `name` whose labels match, end minus start, summed."""

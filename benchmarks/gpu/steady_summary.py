@@ -15,6 +15,23 @@ import argparse
 import glob
 import json
 import os
+import tarfile
+
+
+def run_file_text(run, name):
+    """The text of the file `name` of a call's folder: the unpacked file, or else its copy in the call's
+    results tarball (`results-*.tar.gz`, which trim_run.py leaves as the only copy of the bulky files);
+    None when neither has it."""
+    path = os.path.join(run, name)
+    if os.path.exists(path):
+        with open(path) as f:
+            return f.read()
+    for tarball in sorted(glob.glob(os.path.join(run, "results-*.tar.gz"))):
+        with tarfile.open(tarball) as tar:
+            for member in tar.getmembers():
+                if member.isfile() and os.path.basename(member.name) == name:
+                    return tar.extractfile(member).read().decode()
+    return None
 
 
 def mode_name(label):

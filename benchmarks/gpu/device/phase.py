@@ -24,7 +24,9 @@ benchmarks/gpu/results/<version>.json. Each call starts from an empty results fo
 logs (a warm machine's previous ones move to $GPU_ENV/previous/) and stamps every sweep row with its run
 id, phase, release and the target's shape (runinfo.py), which summarize.py checks.
 
-SERVER_CORES=N pins each server a phase launches to N cores of its own (see `_cores_for_next_server`).
+SERVER_CORES=N pins each server a phase launches to N cores of its own (see `_cores_for_next_server`);
+SERVER_SLOT_SHIFT=k gives each server the cores of the one k places on (`launch_all`), and every call
+with pinned servers times each core with one Python loop (`core_probe`, results/core-probe.json).
 
 Two phases in one call (`a; b`, each with its own PHASE_BUDGET_S) name their files apart with
 PHASE_TAG (e.g. PHASE_TAG=5.9b: results-profile-0.5.16-5.9b.tar.gz): the second one's start moves the
@@ -578,10 +580,56 @@ def common_args(m, spec, extra=()):
 
 def launch_all(plan):
     """Start the servers together (Server.launch says why that is safe), then wait for each; the
-    ones that became ready, by name."""
-    for s in plan:
+    ones that became ready, by name. With SERVER_CORES, SERVER_SLOT_SHIFT=k launches them k places
+    further on in the plan's order, so that each server takes the cores another one took in a call
+    without it (the slots go by launch order); then core_probe times every pinned core."""
+    shift = int(os.environ.get("SERVER_SLOT_SHIFT") or 0) % max(1, len(plan))
+    order = plan[shift:] + plan[:shift]
+    if shift:
+        say(f"SERVER_SLOT_SHIFT={shift}: launch order " + ", ".join(s.name for s in order))
+    for s in order:
         s.launch()
-    return {s.name: s for s in plan if s.wait_ready()}
+    ready = {s.name: s for s in plan if s.wait_ready()}
+    if _PINNED:
+        core_probe(ready.values())
+    return ready
+
+
+# A fixed piece of pure-Python work, timed inside the process that runs it on one core.
+_PROBE = ("import time\nt = time.perf_counter()\nx = 0\nfor i in range({n}):\n    x += i & 7\n"
+          "print(time.perf_counter() - t)")
+
+
+def core_probe(servers, loops=None):
+    """The same Python loop on each core of each pinned server and of the load, one core at a time and
+    then on all of them at once, in ms: whether a server's slot is slower than another's before its
+    step is blamed on its code. The servers are idle meanwhile (ready, no request). Said, and written
+    to $RES/core-probe.json; returns {slot: {"cores", "alone_ms", "together_ms"}}."""
+    loops = loops or int(os.environ.get("CORE_PROBE_LOOPS") or 2_000_000)
+    slots = [(s.name, list(s.cores)) for s in servers if s.cores]
+    if _OWN_CORES and _unpinned_cores():
+        slots.append(("load", sorted(_unpinned_cores())))
+    code = _PROBE.format(n=loops)
+
+    def start(core):
+        return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                                preexec_fn=lambda: os.sched_setaffinity(0, {core}))
+
+    def ms(proc):
+        out, _ = proc.communicate()
+        return round(1e3 * float(out), 1)
+
+    alone = {core: ms(start(core)) for _, cores in slots for core in cores}
+    running = {core: start(core) for _, cores in slots for core in cores}
+    together = {core: ms(proc) for core, proc in running.items()}
+    probe = {name: {"cores": cores, "alone_ms": [alone[c] for c in cores],
+                    "together_ms": [together[c] for c in cores]} for name, cores in slots}
+    with open(os.path.join(RES, "core-probe.json"), "w") as f:
+        json.dump({"loops": loops, "slots": probe}, f, indent=1)
+    say(f"core probe ({loops:,} Python loops a core, ms alone / all cores at once): " + "; ".join(
+        f"{name} " + " ".join(f"{c}:{a}/{t}" for c, a, t in zip(p["cores"], p["alone_ms"], p["together_ms"]))
+        for name, p in probe.items()))
+    return probe
 
 
 def log_text(line):
