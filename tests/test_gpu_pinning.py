@@ -15,8 +15,8 @@ from test_gpu_summarize import phase  # noqa: F401  (the fixture)
 
 STAND_IN = """
 import multiprocessing, os, signal
-def report(who):
-    print(who, "cores", *sorted(os.sched_getaffinity(0)), flush=True)
+def report(who):  # one write: the server and its child share the log, each line must stay whole
+    os.write(1, (" ".join([who, "cores", *map(str, sorted(os.sched_getaffinity(0)))]) + "\\n").encode())
 def child():
     report("child")
     signal.pause()
