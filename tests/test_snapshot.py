@@ -106,3 +106,13 @@ def test_a_live_change_on_an_idle_server_shows_the_read_back_not_the_stale_gauge
     raw = item(T0, 0, 0, threshold=-1)
     raw["server_info"]["data"]["internal_state"]["speculative_disable_batch_threshold"] = 5
     assert build_snapshot(raw, "h").threshold == 5
+
+
+def test_an_idle_server_shows_what_its_threshold_gives_the_next_request_and_says_so() -> None:
+    # the gauge keeps the burst's OFF; idle, a batch of one speculates at threshold 5, from the threshold
+    busy = build_snapshot(item(T0, 0, 9, loads=(9, 0)), "h")
+    idle = build_snapshot(item(T0 + 1, 1, 0, spec=False, loads=(0, 0)), "h", busy)
+    assert idle.idle and idle.speculation is True
+    assert idle.readings["speculation"].source == "threshold"
+    assert idle.readings["speculation"].age_s == idle.readings["threshold"].age_s
+    assert busy.readings["speculation"].source == "metrics"  # a running server's value is the gauge's

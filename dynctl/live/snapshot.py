@@ -37,7 +37,9 @@ STALE_AFTER_S = 10.0  # a number read from a gauge or a log line older than this
 @dataclass(frozen=True)
 class Reading:
     """Where a number came from and how old it was at the sample: `counter` (a rate over the window),
-    `/v1/loads`, `metrics` (a gauge, as old as the last decode step that set it), `log`, `server_info`."""
+    `/v1/loads`, `metrics` (a gauge, as old as the last decode step that set it), `log`, `server_info`;
+    for speculation also `threshold` (an idle server: what the live threshold gives a batch of one) and
+    `inferred`."""
 
     source: str
     age_s: float | None = None  # None: unknown
@@ -227,6 +229,8 @@ def build_snapshot(item: dict[str, Any], host: str, prev: HostSnapshot | None = 
         # Nothing runs, so no step decides; the gauge keeps the last decision (say, OFF after a burst that
         # was aborted at once). What matters now is what the next request gets: a batch of one.
         speculation = threshold < 0 or threshold >= 1
+        # the value is the threshold's verdict on a batch of one, not a gauge read back
+        readings["speculation"] = Reading("threshold", (readings.get("threshold") or Reading("", None)).age_s)
     return HostSnapshot(
         host=host,
         time=t,
