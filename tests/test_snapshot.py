@@ -116,3 +116,39 @@ def test_an_idle_server_shows_what_its_threshold_gives_the_next_request_and_says
     assert idle.readings["speculation"].source == "threshold"
     assert idle.readings["speculation"].age_s == idle.readings["threshold"].age_s
     assert busy.readings["speculation"].source == "metrics"  # a running server's value is the gauge's
+
+
+def test_a_new_server_run_does_not_carry_the_last_runs_switch() -> None:
+    # the old run switched OFF at batch 9; the new one (pid 5151, up 10 s) has logged no switch yet
+    old = build_snapshot(item(T0, 0, 9, marks=[transition_line(T0, False, 9, 5)]), "h")
+    new = build_snapshot(item(T0 + 60, 0, 3, pid=5151, started=T0 + 50), "h", old)
+    assert new.speculation is True and new.last_switch is None
+
+
+def test_a_native_flip_seen_in_its_gauge_is_not_labelled_as_read_from_the_log() -> None:
+    def native(t: float, seq: int, steps: int) -> dict:
+        raw = item(t, seq, 9, threshold=None, release={"id": "r", "strategy": "native"})
+        raw["metrics"]["text"] += f"# TYPE sglang:spec_num_steps gauge\nsglang:spec_num_steps {steps}\n"
+        return raw
+    on = build_snapshot(native(T0, 0, 3), "h")
+    off = build_snapshot(native(T0 + 1, 1, 0), "h", on)
+    assert off.speculation is False and off.switches == (Switch(T0 + 1, False, source="gauge"),)
+    assert off.readings["speculation"].source == on.readings["speculation"].source != "log"
+
+
+def test_a_threshold_kept_from_the_gauge_keeps_the_gauge_as_its_source() -> None:
+    # /server_info never answered in this run; the gauge gave 5, then /metrics stopped answering too
+    first = build_snapshot(item(T0, 0, 3, server_info=False), "h")
+    hung_raw = item(T0 + 1, 1, 3, server_info=False)
+    hung_raw["metrics"] = {"ok": False, "error": "timed out"}
+    hung = build_snapshot(hung_raw, "h", first)
+    assert first.readings["threshold"].source == "metrics"
+    assert hung.threshold == 5 and hung.readings["threshold"].source == "metrics"
+
+
+def test_a_disconnected_hosts_readings_age_with_the_disconnection() -> None:
+    live = build_snapshot(item(T0, 0, 3, loads=(3, 0)), "h")
+    gone = disconnected("h", T0 + 30, "reset", live)
+    assert live.readings["running_reqs"].age_s == 0.0
+    assert gone.readings["running_reqs"].age_s == 30.0 and gone.readings["running_reqs"].stale
+    assert gone.readings["threshold"].age_s == 30.0

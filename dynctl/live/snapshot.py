@@ -208,13 +208,14 @@ def build_snapshot(item: dict[str, Any], host: str, prev: HostSnapshot | None = 
     live = _live_loads(item.get("loads"))
     idle = up and live[0] == 0 and live[1] == 0
     speculation = _speculation(metrics, switches, spec_configured, strategy, run_prev) if up else None
-    last_switch = _last_switch(switches, speculation, t, idle, prev, run_prev)
+    logged = bool(switches)  # before a flip seen in a gauge only joins them
+    last_switch = _last_switch(switches, speculation, t, idle, run_prev)
 
     last_decode = _first(decode.time if decode else None, run_prev.last_decode_time if run_prev else None)
     gauge_age = None if last_decode is None else max(0.0, t - last_decode)
     window = _counter_window(run_prev.counter_window if run_prev else (), t, metrics.generation_tokens) if up else ()
     rate = _rate(window)
-    readings = _readings(metrics, live, decode, bool(switches), rate, gauge_age, info_age, state_info) if up else {}
+    readings = _readings(metrics, live, decode, logged, rate, gauge_age, info_age, state_info) if up else {}
     gpus, gpu_error = _read_gpus(item.get("gpus") or {})
     gpu_part = item.get("gpus") or {}
     if gpus and gpu_part.get("t") is not None:  # the looping nvidia-smi's last full block
@@ -224,6 +225,11 @@ def build_snapshot(item: dict[str, Any], host: str, prev: HostSnapshot | None = 
         holders = prev.gpu_processes if prev is not None else ()
 
     threshold = _read_threshold(metrics, info, state_info, run_prev) if up else None
+    kept = run_prev.readings.get("threshold") if run_prev is not None else None
+    if threshold is not None and kept is not None and _read_threshold(metrics, info, state_info, None) is None:
+        # nothing in this sample gives it: the last sample's value, from where it was read then, older by now
+        readings["threshold"] = Reading(kept.source, None if kept.age_s is None or prev is None
+                                        else kept.age_s + t - prev.time)
     release_threshold = _first(_int_or_none(release.get("effective_threshold")), _int_or_none(release.get("threshold")))
     if idle and strategy == "patch" and threshold is not None and spec_configured and not spec_warning:
         # Nothing runs, so no step decides; the gauge keeps the last decision (say, OFF after a burst that
@@ -310,14 +316,14 @@ def _read_info(part: dict[str, Any] | None, t: float,
 
 
 def _last_switch(switches: list[Switch], speculation: bool | None, t: float, idle: bool,
-                 prev: HostSnapshot | None, run_prev: HostSnapshot | None) -> Switch | None:
-    """The newest switch known; one seen in the gauge only is added to `switches`."""
+                 run_prev: HostSnapshot | None) -> Switch | None:
+    """The newest switch of this server run; one seen in the gauge only is added to `switches`."""
     if (not switches and speculation is not None and run_prev is not None and not run_prev.idle
             and not idle and run_prev.speculation is not None and run_prev.speculation != speculation):
         # seen in the gauge only: the sample time is the best we know
         switches.append(Switch(t, speculation, source="gauge"))
-    last = latest_switch(switches) if switches else (prev.last_switch if prev else None)
-    shown = prev.last_switch if prev is not None else None
+    shown = run_prev.last_switch if run_prev is not None else None
+    last = latest_switch(switches) if switches else shown
     if last is not None and shown is not None and shown.time > last.time:
         if shown.source == "gauge" and last.source == "log" and last.enabled == shown.enabled:
             return last  # the log's line of the flip the gauge showed first: its own time, batch and threshold
@@ -469,8 +475,11 @@ def disconnected(host: str, now: float, error: str, prev: HostSnapshot | None, r
     """The snapshot of a host we cannot hear: the last known values, marked stale."""
     base = prev if prev is not None else HostSnapshot(host=host, time=now, simulated=simulated)
     since = prev.disconnected_since if prev is not None and not prev.connected else now
+    # the numbers are the last sample's: each is older by the time since
+    readings = {name: r if r.age_s is None else replace(r, age_s=r.age_s + max(0.0, now - base.time))
+                for name, r in base.readings.items()}
     return replace(base, time=now, connected=False, disconnected_since=since, error=error, retry_at=retry_at,
-                   log_lines=(), log_replace=False, log_restarted=False, switches=())
+                   log_lines=(), log_replace=False, log_restarted=False, switches=(), readings=readings)
 
 
 @dataclass(frozen=True)
