@@ -32,12 +32,12 @@ from __future__ import annotations
 
 import argparse
 import glob
-import io
 import json
 import os
 import re
 import sys
-import tarfile
+
+from steady_summary import run_file_text
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -89,13 +89,11 @@ def find_run_dir(results_path: str, modes: dict) -> str:
 
 def prompt_tokens_mean(run_dir: str) -> float:
     """Mean length of the prompts the sweeps drew from (results/prompts.json in the run's tarball)."""
-    for path in sorted(glob.glob(os.path.join(run_dir, "results-*.tar.gz"))):
-        with tarfile.open(path) as tar:
-            for member in tar.getmembers():
-                if member.name.endswith("/prompts.json"):
-                    prompts = json.load(io.TextIOWrapper(tar.extractfile(member)))
-                    return sum(len(p) for p in prompts) / len(prompts)
-    raise TableError(f"{run_dir}: no results/prompts.json in its results-*.tar.gz")
+    text = run_file_text(run_dir, "prompts.json")
+    if text is None:
+        raise TableError(f"{run_dir}: no results/prompts.json in its results-*.tar.gz")
+    prompts = json.loads(text)
+    return sum(len(p) for p in prompts) / len(prompts)
 
 
 def build_table(results: dict, results_name: str, run_name: str, prompt_tokens: float,

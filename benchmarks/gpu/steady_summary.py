@@ -18,20 +18,25 @@ import os
 import tarfile
 
 
+def tarball_files(run):
+    """(basename, read) of each file in a call's results tarballs (`results-*.tar.gz`); read() gives
+    its bytes while the iteration is at it."""
+    for tarball in sorted(glob.glob(os.path.join(run, "results-*.tar.gz"))):
+        with tarfile.open(tarball) as tar:
+            for member in tar.getmembers():
+                if member.isfile():
+                    yield os.path.basename(member.name), lambda member=member, tar=tar: tar.extractfile(member).read()
+
+
 def run_file_text(run, name):
     """The text of the file `name` of a call's folder: the unpacked file, or else its copy in the call's
-    results tarball (`results-*.tar.gz`, which trim_run.py leaves as the only copy of the bulky files);
-    None when neither has it."""
+    results tarball (which trim_run.py leaves as the only copy of the bulky files); None when neither
+    has it."""
     path = os.path.join(run, name)
     if os.path.exists(path):
         with open(path) as f:
             return f.read()
-    for tarball in sorted(glob.glob(os.path.join(run, "results-*.tar.gz"))):
-        with tarfile.open(tarball) as tar:
-            for member in tar.getmembers():
-                if member.isfile() and os.path.basename(member.name) == name:
-                    return tar.extractfile(member).read().decode()
-    return None
+    return next((read().decode() for base, read in tarball_files(run) if base == name), None)
 
 
 def mode_name(label):

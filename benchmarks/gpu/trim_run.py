@@ -17,7 +17,8 @@ import glob
 import hashlib
 import os
 import sys
-import tarfile
+
+from steady_summary import tarball_files
 
 BULKY = ("*.log", "*-metrics-start.txt", "*-metrics-end.txt")
 
@@ -29,12 +30,8 @@ def _digest(data):
 def tarball_digests(run):
     """basename -> the sha256 of each file member of the call's results tarballs."""
     found = {}
-    for tarball in sorted(glob.glob(os.path.join(run, "results-*.tar.gz"))):
-        with tarfile.open(tarball) as tar:
-            for member in tar.getmembers():
-                if member.isfile():
-                    found.setdefault(os.path.basename(member.name), set()).add(
-                        _digest(tar.extractfile(member).read()))
+    for name, read in tarball_files(run):
+        found.setdefault(name, set()).add(_digest(read()))
     return found
 
 

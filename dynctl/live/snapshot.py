@@ -63,6 +63,11 @@ class Switch:
     threshold: int | None = None
     source: str = "log"  # "gauge": the metrics gauge flipped before the log's line came; time is the sample's
 
+    def replaces(self, other: Switch) -> bool:
+        """This log line is of the flip `other` marked from the gauge (same way, sampled after the line)."""
+        return (self.source == "log" and other.source == "gauge" and self.enabled == other.enabled
+                and other.time >= self.time)
+
 
 @dataclass(frozen=True)
 class GpuHolder:
@@ -224,19 +229,17 @@ def build_snapshot(item: dict[str, Any], host: str, prev: HostSnapshot | None = 
     if holders is None:
         holders = prev.gpu_processes if prev is not None else ()
 
-    threshold = _read_threshold(metrics, info, state_info, run_prev) if up else None
-    kept = run_prev.readings.get("threshold") if run_prev is not None else None
-    if threshold is not None and kept is not None and _read_threshold(metrics, info, state_info, None) is None:
-        # nothing in this sample gives it: the last sample's value, from where it was read then, older by now
-        readings["threshold"] = Reading(kept.source, None if kept.age_s is None or prev is None
-                                        else kept.age_s + t - prev.time)
+    threshold = None
+    if up:
+        threshold, readings["threshold"] = _read_threshold(metrics, info, state_info, info_age, gauge_age, t,
+                                                           run_prev)
     release_threshold = _first(_int_or_none(release.get("effective_threshold")), _int_or_none(release.get("threshold")))
     if idle and strategy == "patch" and threshold is not None and spec_configured and not spec_warning:
         # Nothing runs, so no step decides; the gauge keeps the last decision (say, OFF after a burst that
         # was aborted at once). What matters now is what the next request gets: a batch of one.
         speculation = threshold < 0 or threshold >= 1
         # the value is the threshold's verdict on a batch of one, not a gauge read back
-        readings["speculation"] = Reading("threshold", (readings.get("threshold") or Reading("", None)).age_s)
+        readings["speculation"] = Reading("threshold", readings["threshold"].age_s)
     return HostSnapshot(
         host=host,
         time=t,
@@ -324,11 +327,9 @@ def _last_switch(switches: list[Switch], speculation: bool | None, t: float, idl
         switches.append(Switch(t, speculation, source="gauge"))
     shown = run_prev.last_switch if run_prev is not None else None
     last = latest_switch(switches) if switches else shown
-    if last is not None and shown is not None and shown.time > last.time:
-        if shown.source == "gauge" and last.source == "log" and last.enabled == shown.enabled:
-            return last  # the log's line of the flip the gauge showed first: its own time, batch and threshold
+    if last is not None and shown is not None and shown.time > last.time and not last.replaces(shown):
         return shown
-    return last
+    return last  # the log's line of a flip the gauge showed first brings its own time, batch and threshold
 
 
 def _readings(metrics: ServerMetrics, live: tuple[int | None, int | None, float | None], decode: DecodeLine | None,
@@ -352,24 +353,27 @@ def _readings(metrics: ServerMetrics, live: tuple[int | None, int | None, float 
     # the patch's gauge changes at every decode step that flips it, so it is as fresh as the sample
     readings["speculation"] = (Reading("metrics", 0.0) if metrics.spec_enabled is not None else
                                Reading("log", 0.0) if switched else Reading("inferred", None))
-    # the patch writes its threshold gauge on a decode step, so the gauge is as old as the last one
-    readings["threshold"] = (Reading("/server_info", info_age) if _int_or_none(state_info.get(sglang.THRESHOLD_KEY))
-                             is not None else Reading("metrics", gauge_age) if metrics.spec_threshold is not None
-                             else Reading("/server_info", info_age))
     return readings
 
 
 def _read_threshold(metrics: ServerMetrics, info: dict[str, Any], state_info: dict[str, Any],
-                    run_prev: HostSnapshot | None) -> int | None:
-    """The threshold a running server reports. The scheduler's own read-back first: the patch writes its gauge
-    only on a decode step, so after a live change on an idle server the gauge still shows the old value while
-    /server_info has the new. Only what the server says: a hand-started or restarted server need not run the
-    release's threshold."""
-    return _first(_int_or_none(state_info.get(sglang.THRESHOLD_KEY)),
-                  metrics.spec_threshold,
-                  _int_or_none(info.get(sglang.THRESHOLD_KEY)),
-                  _int_or_none(info.get("adaptive_threshold")),
-                  run_prev.threshold if run_prev else None)
+                    info_age: float | None, gauge_age: float | None, t: float,
+                    run_prev: HostSnapshot | None) -> tuple[int | None, Reading]:
+    """The threshold a running server reports, and where it came from. The scheduler's own read-back first:
+    the patch writes its gauge only on a decode step (the gauge is as old as the last one), so after a live
+    change on an idle server the gauge still shows the old value while /server_info has the new. Only what
+    the server says: a hand-started or restarted server need not run the release's threshold. When nothing
+    in this sample gives it, the last sample's value keeps its source, older by now."""
+    for value, reading in ((_int_or_none(state_info.get(sglang.THRESHOLD_KEY)), Reading("/server_info", info_age)),
+                           (metrics.spec_threshold, Reading("metrics", gauge_age)),
+                           (_int_or_none(info.get(sglang.THRESHOLD_KEY)), Reading("/server_info", info_age)),
+                           (_int_or_none(info.get("adaptive_threshold")), Reading("/server_info", info_age))):
+        if value is not None:
+            return value, reading
+    kept = run_prev.readings.get("threshold") if run_prev is not None else None
+    if run_prev is not None and run_prev.threshold is not None and kept is not None:
+        return run_prev.threshold, Reading(kept.source, None if kept.age_s is None else kept.age_s + t - run_prev.time)
+    return (run_prev.threshold if run_prev is not None else None), Reading("/server_info", info_age)
 
 
 def _operation(lock: dict[str, Any] | None) -> str | None:
@@ -516,7 +520,9 @@ class HostHistory:
             known = {(s.time, s.enabled) for s in self._switches}
             for s in snap.switches:
                 if (s.time, s.enabled) not in known:  # a new stream re-reads the log's recent marks
-                    self._replace_gauge_mark(s)
+                    newest = max(self._switches, key=lambda m: m.time, default=None)
+                    if newest is not None and s.replaces(newest):
+                        self._switches.remove(newest)
                     self._switches.append(s)
             if snap.switches:
                 self._switches = deque(sorted(self._switches, key=lambda s: s.time))
@@ -533,15 +539,6 @@ class HostHistory:
                 self._points.popleft()
             while self._switches and self._switches[0].time < horizon:
                 self._switches.popleft()
-
-    def _replace_gauge_mark(self, s: Switch) -> None:
-        """A log line of a flip already marked from the gauge (the newest mark, same way, sampled after the
-        line's time) takes that mark's place."""
-        if s.source != "log" or not self._switches:
-            return
-        newest = max(self._switches, key=lambda m: m.time)
-        if newest.source == "gauge" and newest.enabled == s.enabled and newest.time >= s.time:
-            self._switches.remove(newest)
 
     @property
     def latest(self) -> HostSnapshot | None:
