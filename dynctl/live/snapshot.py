@@ -370,10 +370,12 @@ def _read_threshold(metrics: ServerMetrics, info: dict[str, Any], state_info: di
                            (_int_or_none(info.get("adaptive_threshold")), Reading("/server_info", info_age))):
         if value is not None:
             return value, reading
-    kept = run_prev.readings.get("threshold") if run_prev is not None else None
-    if run_prev is not None and run_prev.threshold is not None and kept is not None:
+    if run_prev is None:
+        return None, Reading("/server_info", info_age)
+    kept = run_prev.readings.get("threshold")
+    if run_prev.threshold is not None and kept is not None:
         return run_prev.threshold, Reading(kept.source, None if kept.age_s is None else kept.age_s + t - run_prev.time)
-    return (run_prev.threshold if run_prev is not None else None), Reading("/server_info", info_age)
+    return run_prev.threshold, Reading("/server_info", info_age)
 
 
 def _operation(lock: dict[str, Any] | None) -> str | None:

@@ -1225,8 +1225,8 @@ def phase_profile(a):
     window = float(os.environ.get("STEADY_WINDOW", "0.9"))
     spy_levels = {int(x) for x in os.environ.get("PYSPY_LEVELS", "").split(",") if x}
     if spy_levels and not pyspy:
-        say(f"PYSPY_LEVELS={','.join(map(str, sorted(spy_levels)))}: no samples, py-spy's wheel is not in "
-            f"{os.path.join(CARRY, 'whl')} (put py_spy-*.whl there before the call)")
+        say(f"PYSPY_LEVELS={','.join(map(str, sorted(spy_levels)))}: no samples, no usable py-spy (its wheel, "
+            f"py_spy-*.whl, goes in {os.path.join(CARRY, 'whl')} before the call)")
     spy_s = float(os.environ.get("PYSPY_SECONDS", "1.0"))
     logprob_every = int(os.environ.get("STEADY_LOGPROB_EVERY", "0"))
     trace_dir = os.path.join(RES, "traces")
