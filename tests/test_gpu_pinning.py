@@ -133,3 +133,36 @@ def test_the_core_probe_times_every_pinned_core_alone_and_together(phase, monkey
         assert all(ms > 0 for ms in slot["alone_ms"] + slot["together_ms"])
     written = json.loads(open(os.path.join(phase.RES, "core-probe.json")).read())
     assert written == {"loops": 20_000, "slots": probe}
+
+
+def test_shared_cores_put_every_server_on_the_first_ones_cores(phase, monkeypatch):  # noqa: F811
+    """SERVER_CORES_SHARED=1: the second and third servers take the first one's cores, the load keeps
+    the rest, and the cores go back to the load only once the last of them stopped."""
+    monkeypatch.setattr(phase, "_thread_siblings", lambda c: {c})
+    monkeypatch.setattr(phase.os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setattr(phase, "_PINNED", [])
+    monkeypatch.setenv("SERVER_CORES", "3")
+    monkeypatch.setenv("SERVER_CORES_SHARED", "1")
+    servers = [phase.Server(n, 39300 + i) for i, n in enumerate(("a", "b", "c"))]
+    for s in servers:
+        s.cores = phase._cores_for_next_server()
+    assert [s.cores for s in servers] == [[5, 6, 7]] * 3
+    assert phase._unpinned_cores() == {0, 1, 2, 3, 4}
+    for s in servers[:2]:
+        phase._PINNED.remove(s.cores)
+    assert phase._unpinned_cores() == {0, 1, 2, 3, 4}
+    phase._PINNED.remove(servers[2].cores)
+    assert phase._unpinned_cores() == set(range(8))
+
+
+def test_the_core_probe_times_shared_cores_once(phase, monkeypatch):  # noqa: F811
+    cores = sorted(os.sched_getaffinity(0))
+    assert len(cores) >= 2, "the test needs two cores: one for the servers' slot, one for the load"
+    os.makedirs(phase.RES, exist_ok=True)
+    monkeypatch.setattr(phase, "_OWN_CORES", set(cores))
+    monkeypatch.setattr(phase, "_PINNED", [cores[1:], cores[1:]])
+    servers = [phase.Server("nospec", 39210), phase.Server("t0", 39211)]
+    for s in servers:
+        s.cores = cores[1:]
+    probe = phase.core_probe(servers, loops=20_000)
+    assert list(probe) == ["nospec", "load"]

@@ -47,3 +47,33 @@ def test_a_second_server_of_a_mode_is_pooled_into_it(tmp_path):
     refused = _run(tmp_path, "--same", "nospec3:no_spec")
     assert refused.returncode == 2
     assert "--same nospec3:no_spec: no rows labelled nospec3" in refused.stderr
+
+
+def test_the_ratio_round_by_round_pairs_each_measurement_with_the_base_one_of_its_round(tmp_path):
+    """A level measured four times on each server: the paired ratio is each round's own (a drift
+    between rounds that the pooled means would carry into the ratio cancels), its median, range and
+    count per level; a level the base did not measure has no pair."""
+    run = tmp_path / "run"
+    run.mkdir()
+    # the machine twice as slow in rounds 2 and 3; the patched server 4 % slower in every round
+    base = [(16, [1.0]), (16, [2.0]), (16, [2.0]), (16, [1.0])]
+    patched = [(16, [1.04]), (16, [2.08]), (16, [2.08]), (16, [1.04]), (64, [3.0])]
+    (run / "steady-nospec.json").write_text(json.dumps(_rows(base)))
+    (run / "steady-t0.json").write_text(json.dumps(_rows(patched)))
+    out = _run(tmp_path)
+    assert out.returncode == 0, out.stderr
+    summary = json.loads((tmp_path / "out.json").read_text())["summary"]
+    assert summary["levels"] == [16, 64]
+    assert summary["step_ratio_paired_vs_no_spec"]["threshold_0"] == [1.04, None]
+    assert summary["step_ratio_paired_range"]["threshold_0"] == [[1.04, 1.04], None]
+    assert summary["step_ratio_pairs"]["threshold_0"] == [4, 0]
+    assert summary["step_ratio_pairs"]["no_spec"] == [4, 0]
+    # the pooled means would not see it: (1.04+2.08+2.08+1.04)/4 over 1.5, the same, but a single
+    # slow round of the base moves the means' ratio while the median of pairs stays
+    slow_once = [(16, [1.0]), (16, [2.0]), (16, [2.0]), (16, [3.0])]
+    (run / "steady-nospec.json").write_text(json.dumps(_rows(slow_once)))
+    out = _run(tmp_path)
+    summary = json.loads((tmp_path / "out.json").read_text())["summary"]
+    assert summary["step_ratio_vs_no_spec"]["threshold_0"][0] == round(1.56 / 2.0, 3)
+    assert summary["step_ratio_paired_vs_no_spec"]["threshold_0"][0] == 1.04
+    assert summary["step_ratio_paired_range"]["threshold_0"][0] == [round(1.04 / 3.0, 3), 1.04]

@@ -10,6 +10,7 @@ mean step time, its spread across the calls and windows ((max - min) / mean, per
 to the no-spec server's mean step time at that level. `--same LABEL:MODE` pools a second server of a
 mode into it (a call that ran two no-spec servers, or two of one patched tree, to see how far servers
 of the same code differ): its rows join the mode's, each keeping the server's label in "server".
+`summary` also gives the ratio round by round (`paired_ratios`): its median, range and count.
 """
 import argparse
 import glob
@@ -93,6 +94,42 @@ def read_runs(kind, each=None):
     return a, model, pooled({mode_name(label): rs for label, rs in rows.items()}, a.same, ap.error)
 
 
+def paired_ratios(rows, levels, base):
+    """Per mode and level, the step ratio to `base` measured round by round: a server's k-th row at a
+    level of one call against the base rows of the same call, level and round (their mean where two
+    base servers were pooled). A call that measures each level several times in alternating order
+    (the profile phase's LEVELS=16,16,16,16 gives AB BA AB BA) pairs measurements minutes apart by
+    seconds, so the machine's drift between rounds cancels; the median and the [min, max] of those
+    ratios, and how many there were. A mode with no pair at a level gets None there."""
+    def rounds(rs):
+        seen, out = {}, {}
+        for r in rs:
+            if not r.get("step_ms"):
+                continue
+            key = (r["run"], r["server"], r["concurrency"])
+            k = seen[key] = seen.get(key, -1) + 1
+            out.setdefault((r["run"], r["concurrency"], k), []).append(r["step_ms"])
+        return out
+
+    base_at = {key: sum(v) / len(v) for key, v in rounds(rows.get(base, [])).items()}
+    out = {}
+    for label in sorted(rows):
+        mine = rounds(rows[label])
+        med, rng, n = [], [], []
+        for c in levels:
+            ratios = sorted(x / base_at[key] for key, xs in mine.items() if key[1] == c and key in base_at for x in xs)
+            n.append(len(ratios))
+            if not ratios:
+                med.append(None)
+                rng.append(None)
+                continue
+            mid = len(ratios) // 2
+            med.append(round(ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2, 3))
+            rng.append([round(ratios[0], 3), round(ratios[-1], 3)])
+        out[label] = {"median": med, "range": rng, "pairs": n}
+    return out
+
+
 def main():
     a, model, rows = read_runs("steady")
     levels = sorted({r["concurrency"] for rs in rows.values() for r in rs})
@@ -112,13 +149,18 @@ def main():
             spread[label].append(round(100 * (max(windows) - min(windows)) / mean, 1) if windows and mean else None)
             _, base = at(a.base, c)
             ratio[label].append(round(mean / (sum(base) / len(base)), 3) if mean and base else None)
+    paired = paired_ratios(rows, levels, a.base)
     summary = {"levels": levels, "step_ms": step_ms, "step_spread_pct": spread, "step_ratio_vs_" + a.base: ratio,
+               "step_ratio_paired_vs_" + a.base: {k: v["median"] for k, v in paired.items()},
+               "step_ratio_paired_range": {k: v["range"] for k, v in paired.items()},
+               "step_ratio_pairs": {k: v["pairs"] for k, v in paired.items()},
                "model": model, "method": "steady: c requests decoding together, no prefill in the window; "
                                          "step = window / sglang:cuda_graph_passes_total delta"}
     json.dump({"version": a.version, "runs": [os.path.basename(os.path.normpath(r)) for r in a.runs],
                "summary": summary, "rows": rows}, open(a.out, "w"), indent=1)
     for label in sorted(rows):
-        print(f"{label:16s} " + " ".join(f"c{c}={m}({x})" for c, m, x in zip(levels, step_ms[label], ratio[label])))
+        print(f"{label:16s} " + " ".join(f"c{c}={m}({x}; paired {pm} {pr})" for c, m, x, pm, pr in zip(
+            levels, step_ms[label], ratio[label], paired[label]["median"], paired[label]["range"])))
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ logs (a warm machine's previous ones move to $GPU_ENV/previous/) and stamps ever
 id, phase, release and the target's shape (runinfo.py), which summarize.py checks.
 
 SERVER_CORES=N pins each server a phase launches to N cores of its own (see `_cores_for_next_server`);
+SERVER_CORES_SHARED=1 pins every server to the same N cores instead;
 SERVER_SLOT_SHIFT=k gives each server the cores of the one k places on (`launch_all`), and every call
 with pinned servers times each core with one Python loop (`core_probe`, results/core-probe.json).
 
@@ -406,7 +407,9 @@ def gpu_free_gib():
 # affinity; whole physical cores, N rounded up to them), taken from the top of this process's cores,
 # so that a host-bound step measures the server's code and not which cores it shared; the load and
 # py-spy keep the rest, and this process (whose threads are the load) moves off the pinned cores while
-# a server holds them. Unset: no pinning.
+# a server holds them. Unset: no pinning. SERVER_CORES_SHARED=1: every server runs on the first one's
+# cores (the profile phase decodes on one server at a time, so an A/B pair measures its code on the
+# same cores, not two cores' different speeds).
 _PINNED = []
 _OWN_CORES = set()  # this process's cores before it pinned a server
 
@@ -423,6 +426,9 @@ def _cores_for_next_server():
         _OWN_CORES.clear()
         _OWN_CORES.update(os.sched_getaffinity(0))
         say("cores by physical core: " + " ".join(",".join(map(str, g)) for g in _physical_cores(_OWN_CORES)))
+    if _PINNED and os.environ.get("SERVER_CORES_SHARED") == "1":
+        _PINNED.append(list(_PINNED[0]))  # one entry a server: a stopped one gives back only its own
+        return _PINNED[-1]
     # whole physical cores, the highest first: a server never shares one with the load through SMT
     free = _unpinned_cores()
     cores = []
@@ -606,7 +612,11 @@ def core_probe(servers, loops=None):
     step is blamed on its code. The servers are idle meanwhile (ready, no request). Said, and written
     to $RES/core-probe.json; returns {slot: {"cores", "alone_ms", "together_ms"}}."""
     loops = loops or int(os.environ.get("CORE_PROBE_LOOPS") or 2_000_000)
-    slots = [(s.name, list(s.cores)) for s in servers if s.cores]
+    slots, seen = [], set()
+    for s in servers:
+        if s.cores and tuple(s.cores) not in seen:
+            seen.add(tuple(s.cores))
+            slots.append((s.name, list(s.cores)))
     if _OWN_CORES and _unpinned_cores():
         slots.append(("load", sorted(_unpinned_cores())))
     code = _PROBE.format(n=loops)
