@@ -77,3 +77,32 @@ def test_the_ratio_round_by_round_pairs_each_measurement_with_the_base_one_of_it
     assert summary["step_ratio_vs_no_spec"]["threshold_0"][0] == round(1.56 / 2.0, 3)
     assert summary["step_ratio_paired_vs_no_spec"]["threshold_0"][0] == 1.04
     assert summary["step_ratio_paired_range"]["threshold_0"][0] == [round(1.04 / 3.0, 3), 1.04]
+
+
+def _log(batch, steps_ms, accept=None):
+    """One steady measurement in a server's log: a first line (idle time and prefill in it), then one
+    line per 40-step interval at the given step times."""
+    lines, tokens = [], batch * 16
+    for ms in [50.0] + steps_ms:
+        tokens += 40 * batch
+        acc = f"accept len: {accept:.2f}, accept rate: 0.00, " if accept else ""
+        lines.append(f"[2026-12-05 15:57:56] Decode batch, #running-req: {batch}, #token: {tokens}, token usage: 0.00, "
+                     f"{acc}cuda graph: True, gen throughput (token/s): {1000 * batch / ms:.2f}, #queue-req: 0")
+    return "\n".join(lines) + "\n"
+
+
+def test_the_servers_own_log_intervals_give_the_step_and_its_ratio_measurement_by_measurement(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "steady-nospec.json").write_text(json.dumps(_rows([(16, [1.0]), (16, [2.0])])))
+    (run / "steady-t0.json").write_text(json.dumps(_rows([(16, [1.0]), (16, [2.0])])))
+    # the no-spec server's second measurement on a slow core; the patched one 3 % slower in each
+    (run / "nospec.log").write_text(_log(16, [1.0, 1.0, 1.0]) + _log(16, [2.0, 2.0, 2.0, 2.0])
+                                    + _log(8, [9.0, 9.0]))  # too short to be a measurement
+    (run / "patched.log").write_text(_log(16, [1.03, 1.03, 1.03], accept=1.0) + _log(16, [2.06, 2.06, 2.06], 1.0))
+    out = _run(tmp_path)
+    assert out.returncode == 0, out.stderr
+    summary = json.loads((tmp_path / "out.json").read_text())["summary"]
+    assert summary["step_ms_log"] == {"no_spec": [2.0], "threshold_0": [1.545]}
+    assert summary["step_ratio_log_paired_vs_no_spec"]["threshold_0"] == [1.03]
+    assert summary["step_ratio_log_paired_range"]["threshold_0"] == [[1.03, 1.03]]

@@ -10,12 +10,15 @@ mean step time, its spread across the calls and windows ((max - min) / mean, per
 to the no-spec server's mean step time at that level. `--same LABEL:MODE` pools a second server of a
 mode into it (a call that ran two no-spec servers, or two of one patched tree, to see how far servers
 of the same code differ): its rows join the mode's, each keeping the server's label in "server".
-`summary` also gives the ratio round by round (`paired_ratios`): its median, range and count.
+`summary` also gives the ratio round by round (`paired_ratios`): its median, range and count; and
+the same from the servers' own log intervals, where the call's server logs are there (`log_steps`).
 """
 import argparse
 import glob
 import json
 import os
+import re
+import statistics
 import tarfile
 
 
@@ -130,6 +133,61 @@ def paired_ratios(rows, levels, base):
     return out
 
 
+_DECODE_LINE = re.compile(r"Decode batch, #running-req: (\d+), #token: (\d+),.*?(?:accept len: ([\d.]+),.*?)?"
+                          r"gen throughput \(token/s\): ([\d.]+), #queue-req: (\d+)")
+
+
+def log_occurrences(text):
+    """A server log's decode steps by the scheduler's own clock: each "Decode batch" line covers the
+    last log interval (40 steps), so its step time is running x accept len / gen throughput. Lines
+    of one steady measurement run with the same batch and a growing #token; the first line of each
+    (it holds the idle time and the prefill before it) is dropped. [(batch, [step ms, ...]), ...] in
+    log order, measurements of fewer than 3 intervals left out."""
+    out, prev = [], None
+    for m in _DECODE_LINE.finditer(text):
+        c, tokens, tput, queued = int(m[1]), int(m[2]), float(m[4]), int(m[5])
+        if prev and prev == (c, True) and tokens > last_tokens and not queued and tput > 0:
+            out[-1][1].append(1000 * c * float(m[3] or 1) / tput)
+        elif not prev or prev[0] != c or tokens <= last_tokens or queued:
+            out.append((c, []))
+        prev, last_tokens = (c, not queued), tokens
+    return [(c, steps) for c, steps in out if len(steps) >= 3]
+
+
+def log_name(label):
+    """The profile phase's server log of a steady label ("t0" is the server "patched")."""
+    return "patched" if label == "t0" else label[:-len("-t0")] if label.endswith("-t0") else label
+
+
+def log_steps(runs, rows, levels, base):
+    """Per mode and level from the servers' own log intervals: the median step (ms) over every
+    interval, and the per-measurement ratio to `base` (median interval of a server's k-th measurement
+    at a level against the base's k-th in the same call): its median and [min, max]."""
+    occ = {}
+    for label, rs in rows.items():
+        for run, server in sorted({(r["run"], r["server"]) for r in rs}):
+            path = next((p for p in runs if os.path.basename(os.path.normpath(p)) == run), None)
+            text = run_file_text(path, log_name(server) + ".log") if path else None
+            for c, steps in log_occurrences(text or ""):
+                if c in levels:
+                    occ.setdefault(label, {}).setdefault((run, server, c), []).append(steps)
+    out = {}
+    for label, by in occ.items():
+        med, ratio, rng = [], [], []
+        for c in levels:
+            mine = [s for (run, server, cc), ms in by.items() if cc == c for m in ms for s in m]
+            med.append(round(statistics.median(mine), 3) if mine else None)
+            pairs = []
+            for (run, server, cc), ms in by.items():
+                theirs = next((b for (r2, _, c2), b in occ.get(base, {}).items() if r2 == run and c2 == c), [])
+                if cc == c:
+                    pairs += [statistics.median(m) / statistics.median(b) for m, b in zip(ms, theirs)]
+            ratio.append(round(statistics.median(pairs), 3) if pairs else None)
+            rng.append([round(min(pairs), 3), round(max(pairs), 3)] if pairs else None)
+        out[label] = {"step_ms": med, "paired": ratio, "range": rng}
+    return out
+
+
 def main():
     a, model, rows = read_runs("steady")
     levels = sorted({r["concurrency"] for rs in rows.values() for r in rs})
@@ -150,10 +208,14 @@ def main():
             _, base = at(a.base, c)
             ratio[label].append(round(mean / (sum(base) / len(base)), 3) if mean and base else None)
     paired = paired_ratios(rows, levels, a.base)
+    logs = log_steps(a.runs, rows, levels, a.base)
     summary = {"levels": levels, "step_ms": step_ms, "step_spread_pct": spread, "step_ratio_vs_" + a.base: ratio,
                "step_ratio_paired_vs_" + a.base: {k: v["median"] for k, v in paired.items()},
                "step_ratio_paired_range": {k: v["range"] for k, v in paired.items()},
                "step_ratio_pairs": {k: v["pairs"] for k, v in paired.items()},
+               "step_ms_log": {k: v["step_ms"] for k, v in logs.items()},
+               "step_ratio_log_paired_vs_" + a.base: {k: v["paired"] for k, v in logs.items()},
+               "step_ratio_log_paired_range": {k: v["range"] for k, v in logs.items()},
                "model": model, "method": "steady: c requests decoding together, no prefill in the window; "
                                          "step = window / sglang:cuda_graph_passes_total delta"}
     json.dump({"version": a.version, "runs": [os.path.basename(os.path.normpath(r)) for r in a.runs],
@@ -161,6 +223,9 @@ def main():
     for label in sorted(rows):
         print(f"{label:16s} " + " ".join(f"c{c}={m}({x}; paired {pm} {pr})" for c, m, x, pm, pr in zip(
             levels, step_ms[label], ratio[label], paired[label]["median"], paired[label]["range"])))
+        if label in logs:
+            print(f"{'  from logs':16s} " + " ".join(f"c{c}={m}(paired {pm} {pr})" for c, m, pm, pr in zip(
+                levels, logs[label]["step_ms"], logs[label]["paired"], logs[label]["range"])))
 
 
 if __name__ == "__main__":
