@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from dynctl.live.snapshot import disconnected
 from dynctl.tui.app import Dashboard
 from dynctl.tui.help import HelpScreen
 from dynctl.tui.widgets import GpuPanel, LoadPanel
@@ -67,6 +68,20 @@ async def test_the_gpu_panel_lists_who_holds_each_gpu():
         harness.push(item(T0 + 1, 1, 3, gpus=2))  # a sample without a new list keeps the last one
         await pilot.pause()
         assert "alice" in harness.panel(GpuPanel).text()
+        assert "STALE" not in harness.panel(GpuPanel).text()
+        kept = harness.push(item(T0 + 40, 2, 3, gpus=2))  # ... and says how old it has grown
+        await pilot.pause()
+        header = next(line for line in harness.panel(GpuPanel).text().splitlines() if "COMMAND" in line)
+        assert "STALE 40s" in header and "alice" in harness.panel(GpuPanel).text()
+        assert kept.readings["gpu_processes"].age_s == 40.0 and not kept.readings["gpus"].stale
+        assert not harness.panel(GpuPanel).has_class("-stale")
+        assert harness.feed is not None
+        harness.feed.push(disconnected("glm5", T0 + 55, "ssh: connection reset", kept))
+        await pilot.pause()
+        panel = harness.panel(GpuPanel)
+        assert panel.has_class("-stale"), "the GPU panel of a host we cannot hear is dimmed"
+        first = panel.text().splitlines()[0]
+        assert "STALE" in first, first  # the utilisation read 15 s before now is not live either
 
 
 async def test_the_full_log_shows_every_line_and_follows_until_paused():

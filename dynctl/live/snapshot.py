@@ -113,7 +113,7 @@ class HostSnapshot:
     disabled_steps: float | None = None
     gpus: tuple[GpuStat, ...] = ()
     gpu_error: str | None = None
-    gpu_processes: tuple[GpuHolder, ...] = ()
+    gpu_processes: tuple[GpuHolder, ...] = ()  # the last list read; its age is readings["gpu_processes"]
     log_lines: tuple[str, ...] = ()
     log_replace: bool = False  # a new stream: these lines replace the tail instead of extending it
     log_restarted: bool = False  # the log file was truncated or replaced (a new server run)
@@ -133,6 +133,7 @@ class HostSnapshot:
     counter_window: tuple[tuple[float, float], ...] = field(default=(), repr=False)  # (t, generation tokens)
     last_decode_time: float | None = field(default=None, repr=False)  # of the newest decode line seen
     info_time: float | None = field(default=None, repr=False)  # when /server_info last answered
+    gpu_processes_time: float | None = field(default=None, repr=False)  # when that list was read
 
 
 def latest_switch(switches: list[Switch] | tuple[Switch, ...]) -> Switch | None:
@@ -165,6 +166,13 @@ def _server_state(alive: bool, answering: bool, draining: bool, prev: HostSnapsh
 
 def _first(*values: Any) -> Any:
     return next((v for v in values if v is not None), None)
+
+
+def _float_or_none(value: Any) -> float | None:
+    try:
+        return None if value is None else float(value)
+    except (TypeError, ValueError):
+        return None
 
 
 def _int_or_none(value: Any) -> int | None:
@@ -223,11 +231,17 @@ def build_snapshot(item: dict[str, Any], host: str, prev: HostSnapshot | None = 
     readings = _readings(metrics, live, decode, logged, rate, gauge_age, info_age, state_info) if up else {}
     gpus, gpu_error = _read_gpus(item.get("gpus") or {})
     gpu_part = item.get("gpus") or {}
-    if gpus and gpu_part.get("t") is not None:  # the looping nvidia-smi's last full block
-        readings["gpus"] = Reading("nvidia-smi", max(0.0, t - float(gpu_part["t"])))
+    if gpus:  # the looping nvidia-smi's last full block carries its time; a one-shot query is this sample's
+        read_at = _first(_float_or_none(gpu_part.get("t")), t)
+        readings["gpus"] = Reading("nvidia-smi", max(0.0, t - read_at))
     holders = _read_holders(item.get("gpu_procs"), gpus)
-    if holders is None:
+    if holders is not None:
+        holders_time = _first(_float_or_none((item.get("gpu_procs") or {}).get("t")), t)
+    else:  # the list is the host's, not one server run's: kept, and ageing, until a new one comes
         holders = prev.gpu_processes if prev is not None else ()
+        holders_time = prev.gpu_processes_time if prev is not None else None
+    if holders_time is not None:
+        readings["gpu_processes"] = Reading("nvidia-smi", max(0.0, t - holders_time))
 
     threshold = None
     if up:
@@ -280,6 +294,7 @@ def build_snapshot(item: dict[str, Any], host: str, prev: HostSnapshot | None = 
         counter_window=window,
         last_decode_time=last_decode,
         info_time=info_time,
+        gpu_processes_time=holders_time,
     )
 
 

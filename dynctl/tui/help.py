@@ -42,7 +42,8 @@ def source_rows(snap: HostSnapshot | None) -> list[str]:
     if snap is None:
         return []
     names = {"gen_throughput": "tok/s", "running_reqs": "batch", "queue_reqs": "queue", "token_usage": "KV",
-             "accept_length": "accept", "speculation": "speculation", "threshold": "threshold", "gpus": "GPUs"}
+             "accept_length": "accept", "speculation": "speculation", "threshold": "threshold", "gpus": "GPUs",
+             "gpu_processes": "GPU procs"}
     out = []
     for key, label in names.items():
         reading = snap.readings.get(key)

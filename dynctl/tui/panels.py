@@ -279,15 +279,18 @@ def render_gpus_compact(gpus: Sequence[GpuStat], width: int) -> Text:
 
 
 def render_gpus(gpus: Sequence[GpuStat], error: str | None, width: int, height: int,
-                holders: Sequence[GpuHolder] = ()) -> Text:
+                holders: Sequence[GpuHolder] = (), snap: HostSnapshot | None = None) -> Text:
     """One line per GPU: index, utilisation bar and %, memory bar and used/total GiB; then, in the lines
-    left, the processes that hold GPU memory (GPU, pid, user, memory, command), as nvitop lists them."""
+    left, the processes that hold GPU memory (GPU, pid, user, memory, command), as nvitop lists them.
+    With `snap`, a reading older than the live view may call live is marked STALE with its age."""
     t = Text(no_wrap=True, overflow="crop")
     if not gpus:
         t.append(error or "no GPU data", style=DIM)
         return t
     if len(gpus) > height:
-        return render_gpus_compact(gpus, width)
+        t = render_gpus_compact(gpus, width)
+        _stale_mark(t, snap, "gpus")
+        return t
     show_name = width >= 70
     bar_w = max(3, min(20, (width - (38 if show_name else 26)) // 2))
     for g in gpus:
@@ -299,10 +302,15 @@ def render_gpus(gpus: Sequence[GpuStat], error: str | None, width: int, height: 
         t.append(f" {'—' if util is None else f'{util:.0f}%':>4} ")
         frac = g.mem_used_mib / g.mem_total_mib if g.mem_used_mib is not None and g.mem_total_mib else None
         t.append_text(_bar(frac, bar_w, "magenta"))
-        t.append(f" {_gib(g.mem_used_mib)}/{_gib(g.mem_total_mib)} GiB\n")
+        t.append(f" {_gib(g.mem_used_mib)}/{_gib(g.mem_total_mib)} GiB")
+        if g is gpus[0]:
+            _stale_mark(t, snap, "gpus")
+        t.append("\n")
     room = height - len(gpus) - 1
     if holders and room >= 1:
-        t.append(f"{'GPU':>3} {'PID':>7} {'USER':<10} {'MEM':>6}  COMMAND\n", style=DIM)
+        t.append(f"{'GPU':>3} {'PID':>7} {'USER':<10} {'MEM':>6}  COMMAND", style=DIM)
+        _stale_mark(t, snap, "gpu_processes")
+        t.append("\n")
         for h in holders[:room]:
             gpu = "?" if h.gpu is None else str(h.gpu)
             t.append(f"{gpu:>3} {h.pid:>7} {(h.user or '?')[:10]:<10} {_gib(h.used_mib):>5}G  ")

@@ -126,12 +126,16 @@ class ChartPanel(SnapshotPanel):
 
 
 class GpuPanel(SnapshotPanel):
+    def show(self, snap: HostSnapshot | None, history: HostHistory | None) -> None:
+        super().show(snap, history)
+        self.set_class(snap is not None and not snap.connected, "-stale")
+
     def render(self) -> Text:
         s = self.snapshot
         if s is None:
             return Text("waiting for data", style=panels.DIM)
         return panels.render_gpus(s.gpus, s.gpu_error, self.content_size.width, self.content_size.height,
-                                  s.gpu_processes)
+                                  s.gpu_processes, s)
 
 
 class LogTail(RichLog):
