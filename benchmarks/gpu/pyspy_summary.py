@@ -5,7 +5,9 @@ The profile phase (`device/phase.py profile`, `PYSPY_LEVELS`) samples the schedu
 server at 1 kHz for one second while a fixed batch decodes, and records how many decode steps ran
 meanwhile. Samples are CPU time (py-spy leaves out a thread's idle samples, so time blocked in a
 synchronisation is not counted). This script turns a run's `pyspy-<label>-c<N>.txt` files into
-microseconds of CPU per decode step:
+microseconds of CPU per decode step; the closed loop's files (`pyspy-closed-<label>-c<N>.txt`, round 0
+of each level, prefills mixed in) count the decode steps of the seconds sampled, and are compared with
+`closed-<base>`:
 
   pyspy_summary.py RESULTS_DIR [--base nospec] [--top 18] [--json OUT] [--children FUNC ...]
 
@@ -90,6 +92,40 @@ def children(samples, steps, parent):
     return dict(out)
 
 
+def closed_steps(row):
+    """Decode steps in the seconds py-spy sampled a closed-loop level: its first window's steps (the
+    servers' counter; from the window's length and step time in rows without the count), scaled to
+    the sampled seconds, which start with the first window."""
+    w = (row.get("windows") or [{}])[0]
+    n = w.get("decode_steps")
+    if n is None and w.get("step_ms"):
+        n = 1000 * w["seconds"] / w["step_ms"]
+    if not n or not w.get("seconds"):
+        return 0
+    seconds = (row.get("sampled") or {}).get("seconds", w["seconds"])
+    return round(n * seconds / w["seconds"])
+
+
+def sampled_steps(results):
+    """{py-spy file name: decode steps it covers}: steady levels record theirs; closed-loop levels sample
+    in round 0 (`pyspy-closed-<label>-c<N>.txt`)."""
+    steps = {}
+    for f in glob.glob(os.path.join(results, "steady-*.json")):
+        for row in json.load(open(f)):
+            s = row.get("sampled") or {}
+            if s.get("out"):
+                steps[os.path.basename(s["out"])] = s["steps"]
+    for f in glob.glob(os.path.join(results, "closed-*.json")):
+        if f.endswith("-profile-summary.json"):
+            continue
+        for row in json.load(open(f)):
+            if isinstance(row, dict) and not row.get("round") and row.get("label"):
+                name = os.path.basename((row.get("sampled") or {}).get("out")
+                                        or f"pyspy-closed-{row['label']}-c{row['concurrency']}.txt")
+                steps[name] = closed_steps(row)
+    return steps
+
+
 def rounded(table, top):
     return {k: round(v, 1) for k, v in sorted(table.items(), key=lambda kv: -kv[1])[:top]}
 
@@ -104,12 +140,7 @@ def main():
     ap.add_argument("--lines", nargs="*", default=[])
     ap.add_argument("--busy", action="store_true")
     a = ap.parse_args()
-    steps = {}
-    for f in glob.glob(os.path.join(a.results, "steady-*.json")):
-        for row in json.load(open(f)):
-            s = row.get("sampled") or {}
-            if s.get("out"):
-                steps[os.path.basename(s["out"])] = s["steps"]
+    steps = sampled_steps(a.results)
     out = {}
     for path in sorted(glob.glob(os.path.join(a.results, "pyspy-*-c*.txt"))):
         name = os.path.basename(path)
@@ -122,16 +153,18 @@ def main():
         out.setdefault(c, {})[label] = prof
     report = {}
     for c, labels in sorted(out.items(), key=lambda kv: int(kv[0])):
-        base = labels.get(a.base)
         level = {}
         for label, prof in labels.items():
+            closed = label.startswith("closed-") and not a.base.startswith("closed-")
+            base_label = "closed-" + a.base if closed else a.base
+            base = labels.get(base_label)
             row = {"cpu_us_per_step": prof["cpu_us_per_step"], "steps_sampled": prof["steps_sampled"],
                    "inclusive": rounded(prof["inclusive"], a.top), "self": rounded(prof["self"], a.top),
                    "children": prof["children"], "lines": prof["lines"]}
-            if base is not None and label != a.base:
+            if base is not None and label != base_label:
                 names = set(prof["inclusive"]) | set(base["inclusive"])
                 d = {n: prof["inclusive"].get(n, 0.0) - base["inclusive"].get(n, 0.0) for n in names}
-                row["vs_" + a.base] = {k: round(v, 1) for k, v in sorted(d.items(), key=lambda kv: -abs(kv[1]))[:a.top]}
+                row["vs_" + base_label] = {k: round(v, 1) for k, v in sorted(d.items(), key=lambda kv: -abs(kv[1]))[:a.top]}
             level[label] = row
         report["c" + c] = level
     text = json.dumps(report, indent=1)
@@ -140,7 +173,7 @@ def main():
     for c, level in report.items():
         for label, row in level.items():
             print(f"{c} {label}: {row['cpu_us_per_step']} us of scheduler CPU per step ({row['steps_sampled']} steps)")
-            for k, v in list(row.get("vs_" + a.base, {}).items())[:10]:
+            for k, v in list(next((v for k, v in row.items() if k.startswith("vs_")), {}).items())[:10]:
                 print(f"    {v:+8.1f} us  {k}")
             for f, kids in row["children"].items():
                 print(f"    in {f}: " + ", ".join(f"{k.split(' (')[0]} {v}" for k, v in list(kids.items())[:8]))

@@ -257,6 +257,7 @@ def sweep_level(url, c, prompts, max_new_tokens, warmup, window, windows, rng_se
         fin = [(tok, lat) for (te, tok, lat) in done if t0 <= te < t1]
         rows.append({
             "seconds": round(dt, 3),
+            "decode_steps": steps,
             "tok_s": round(toks / dt, 1),
             "client_tok_s": round(sum(t for t, _ in fin) / dt, 1),
             "requests": len(fin),

@@ -1346,6 +1346,10 @@ def closed_loop(servers, modes, pyspy, spy_s):
                                    window=max(spy_s, 1.0), windows=windows, on_measure=on_measure)
             for proc in spy:
                 proc.wait(timeout=60)
+            if spy:
+                # py-spy ran from the windows' start for this many seconds (pyspy_summary.py scales the
+                # first window's decode steps to it)
+                r["sampled"] = {"out": os.path.join(RES, f"pyspy-{tag}.txt"), "seconds": max(1, round(spy_s))}
             r["label"], r["round"] = label, rnd
             rows[label].append(r)
 
