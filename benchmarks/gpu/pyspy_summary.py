@@ -119,11 +119,18 @@ def sampled_steps(results):
         if f.endswith("-profile-summary.json"):
             continue
         for row in json.load(open(f)):
-            if isinstance(row, dict) and not row.get("round") and row.get("label"):
+            if not row.get("round") and row.get("label"):
                 name = os.path.basename((row.get("sampled") or {}).get("out")
                                         or f"pyspy-closed-{row['label']}-c{row['concurrency']}.txt")
                 steps[name] = closed_steps(row)
     return steps
+
+
+def base_of(label, base):
+    """The mode a label is compared with: a closed-loop file with the closed loop's file of `base`."""
+    if label.startswith("closed-") and not base.startswith("closed-"):
+        return "closed-" + base
+    return base
 
 
 def rounded(table, top):
@@ -155,8 +162,7 @@ def main():
     for c, labels in sorted(out.items(), key=lambda kv: int(kv[0])):
         level = {}
         for label, prof in labels.items():
-            closed = label.startswith("closed-") and not a.base.startswith("closed-")
-            base_label = "closed-" + a.base if closed else a.base
+            base_label = base_of(label, a.base)
             base = labels.get(base_label)
             row = {"cpu_us_per_step": prof["cpu_us_per_step"], "steps_sampled": prof["steps_sampled"],
                    "inclusive": rounded(prof["inclusive"], a.top), "self": rounded(prof["self"], a.top),
@@ -173,7 +179,7 @@ def main():
     for c, level in report.items():
         for label, row in level.items():
             print(f"{c} {label}: {row['cpu_us_per_step']} us of scheduler CPU per step ({row['steps_sampled']} steps)")
-            for k, v in list(next((v for k, v in row.items() if k.startswith("vs_")), {}).items())[:10]:
+            for k, v in list(row.get("vs_" + base_of(label, a.base), {}).items())[:10]:
                 print(f"    {v:+8.1f} us  {k}")
             for f, kids in row["children"].items():
                 print(f"    in {f}: " + ", ".join(f"{k.split(' (')[0]} {v}" for k, v in list(kids.items())[:8]))

@@ -1313,6 +1313,7 @@ def closed_loop(servers, modes, pyspy, spy_s):
     # that a mode's rows span the same minutes as the others'; py-spy, traces and /metrics in round 0 only
     rounds = int(os.environ.get("CLOSED_ROUNDS", "1"))
     windows = int(os.environ.get("CLOSED_WINDOWS", "2"))
+    spy_seconds = max(1, round(spy_s))  # py-spy's --duration takes whole seconds
     for c in levels:
         if left() < 15 * len(modes) * rounds:
             say(f"closed loop: stopped before c{c}, budget")
@@ -1323,9 +1324,10 @@ def closed_loop(servers, modes, pyspy, spy_s):
             if threshold is not None:
                 client.set_threshold(s.url, threshold)
             tag = f"closed-{label}-c{c}"
+            spy_out = os.path.join(RES, f"pyspy-{tag}.txt")
             spy = []
 
-            def on_measure(start, s=s, tag=tag, spy=spy, c=c, label=label, rnd=rnd):
+            def on_measure(start, s=s, tag=tag, spy=spy, spy_out=spy_out, c=c, label=label, rnd=rnd):
                 if rnd:
                     return
                 with open(os.path.join(RES, f"{tag}-metrics-{'start' if start else 'end'}.txt"), "w") as f:
@@ -1337,8 +1339,8 @@ def closed_loop(servers, modes, pyspy, spy_s):
                                                else {"error": "no trace"})
                 if start and pyspy:
                     spy.append(subprocess.Popen(
-                        pyspy + ["--duration", str(max(1, round(spy_s))), "--rate", "1000", "--format", "raw",
-                                 "--nonblocking", "--output", os.path.join(RES, f"pyspy-{tag}.txt"),
+                        pyspy + ["--duration", str(spy_seconds), "--rate", "1000", "--format", "raw",
+                                 "--nonblocking", "--output", spy_out,
                                  "--pid", str(scheduler_pid(s))],
                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
 
@@ -1349,7 +1351,7 @@ def closed_loop(servers, modes, pyspy, spy_s):
             if spy:
                 # py-spy ran from the windows' start for this many seconds (pyspy_summary.py scales the
                 # first window's decode steps to it)
-                r["sampled"] = {"out": os.path.join(RES, f"pyspy-{tag}.txt"), "seconds": max(1, round(spy_s))}
+                r["sampled"] = {"out": spy_out, "seconds": spy_seconds}
             r["label"], r["round"] = label, rnd
             rows[label].append(r)
 
