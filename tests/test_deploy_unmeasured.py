@@ -64,21 +64,42 @@ def test_a_release_without_a_native_route_is_patched_unmeasured_and_says_so():
         assert not is_measured(version)
         assert strategy_for(version, "auto") == "patch"
         assert strategy_note(version, "patch").startswith(f"patch not measured on a GPU for sglang {version}")
-    assert strategy_note("0.5.11", "patch") == "patch measured on a GPU"
+    assert strategy_note("0.5.9", "patch") == "patch measured on a GPU"
 
 
-def test_a_release_partly_measured_says_what_its_gpu_runs_showed():
-    """A variant not marked measured whose table entry has `gpu`: the warning carries what the GPU runs
-    showed instead of "not measured" (0.5.16 ran on an H200, measured only in part)."""
+def test_a_measured_release_that_misses_a_target_says_which():
+    """A release marked measured takes the patch under "auto"; where its GPU runs fall short of a target
+    (`misses` in the table), plan and status say which beside "patch measured on a GPU"."""
     from dynctl.patching.recipe import releases
-    from dynctl.patching.versions import unmeasured_note
+    from dynctl.patching.versions import is_measured, patch_note, strategy_for, strategy_note, unmeasured_note
 
-    gpu = releases()["0.5.16"].gpu
-    assert gpu and "0.5.16-1.2b-steady.json" in gpu
-    assert unmeasured_note("0.5.16") == f"patch not measured on a GPU for sglang 0.5.16 in full: {gpu}"
-    for version in ("0.5.15", "0.5.15.post1", "0.5.17"):  # 0.5.15*: two releases of one variant
-        gpu = releases()[version].gpu
-        assert gpu and f"{version}-1.2b-steady.json" in gpu and f"{version}-5.9b-steady.json" in gpu
-        assert unmeasured_note(version) == f"patch not measured on a GPU for sglang {version} in full: {gpu}"
+    for version in ("0.5.15", "0.5.15.post1", "0.5.16", "0.5.17"):
+        misses = releases()[version].misses
+        assert is_measured(version) and strategy_for(version, "auto") == "patch"
+        assert misses and "1.2 B" in misses and f"{version}-" in misses
+        assert unmeasured_note(version) is None
+        assert patch_note(version) == strategy_note(version, "patch") == (
+            f"patch measured on a GPU; short of a target: {misses}")
+        assert strategy_note(version, "native") is None
+    assert releases()["0.5.8"].misses is None
+    assert patch_note("0.5.8") is None and strategy_note("0.5.8", "patch") == "patch measured on a GPU"
     assert unmeasured_note("0.5.18").endswith("its disabled-step cost and correctness were not measured")
-    assert unmeasured_note("0.5.14") is None
+    assert patch_note("0.5.18") == unmeasured_note("0.5.18")
+
+
+def test_auto_patches_a_measured_current_release_and_names_what_it_misses(demo_box):
+    """sglang 0.5.16 under the default strategy: the measured patch, not the native route, and the
+    target its GPU runs missed on the plan and in status."""
+    from dynctl.patching.recipe import releases
+
+    said = " ".join(f"short of a target: {releases()['0.5.16'].misses}".split())
+    config = demo_box("0.5.16", via="local")
+    status = dynctl("status", config=config)
+    assert status.returncode == 0, status.stdout + status.stderr
+    line = next(ln for ln in status.stdout.splitlines() if "strategy" in ln)
+    assert "patch" in line and "native" not in line
+    assert said in _one_line(status.stdout)
+    dry = dynctl("deploy", "--threshold", "5", "--dry-run", config=config)
+    assert dry.returncode == 0, dry.stderr
+    assert "strategy patch" in dry.stdout and said in _one_line(dry.stdout)
+    assert "+++ b/sglang/srt/speculative/eagle_worker_v2.py" in dry.stdout

@@ -263,18 +263,18 @@ def test_the_closed_loop_measures_each_level_in_rounds_the_order_rotating(tmp_pa
 
 def test_the_check_phase_deploys_the_patch_on_a_release_not_yet_marked_measured(tmp_path, device):
     """The check phase measures the patch: its dynctl config asks for strategy = "patch", without which
-    "auto" deploys sglang's native adaptive route on 0.5.15 and later (the variant not yet measured)."""
+    "auto" deploys sglang's native adaptive route on a release whose variant is not yet measured."""
     from dynctl.base.config import load_config
     from dynctl.patching.versions import strategy_for
 
     env, load = device
     phase = load(tmp_path)
     os.makedirs(env, exist_ok=True)
-    tree = {"PYTHONPATH": "/carry/sglang-0.5.16-dynctl:/carry/site"}
-    phase.write_dynctl_config("0.5.16", "/models", {"strict": (30004, tree, ["--enable-metrics", "--x"])})
+    tree = {"PYTHONPATH": "/carry/sglang-0.5.18-dynctl:/carry/site"}
+    phase.write_dynctl_config("0.5.18", "/models", {"strict": (30004, tree, ["--enable-metrics", "--x"])})
     host = load_config(env / "dynctl.toml").hosts["strict"]
     assert host.strategy == "patch"
-    assert strategy_for("0.5.16", host.strategy) == "patch" != strategy_for("0.5.16", "auto")
+    assert strategy_for("0.5.18", host.strategy) == "patch" != strategy_for("0.5.18", "auto")
     assert host.port == 30004 and "--enable-metrics" not in host.args
 
 

@@ -470,8 +470,8 @@ def test_a_missing_target_file_is_refused() -> None:
 
 @pytest.mark.parametrize(("version", "strategy"), [
     ("0.5.6", "patch"), ("0.5.9", "patch"), ("0.5.12", "patch"), ("0.5.6.post2", "patch"),
-    ("0.5.10.post1", "patch"), ("0.5.14", "patch"), ("0.5.14.post1", "patch"), ("0.5.15.post1", "native"),
-    ("0.5.23", "native"),
+    ("0.5.10.post1", "patch"), ("0.5.14", "patch"), ("0.5.14.post1", "patch"), ("0.5.15.post1", "patch"),
+    ("0.5.16", "patch"), ("0.5.17", "patch"), ("0.5.18", "native"), ("0.5.23", "native"),
     ("0.6.0", "native"),
 ])
 def test_strategy_for_supported_versions(version: str, strategy: str) -> None:
@@ -489,6 +489,12 @@ def test_strategy_for_supported_versions(version: str, strategy: str) -> None:
     elif variant == "0.5.14":
         files[2:2] = ["srt/managers/overlap_utils.py", "srt/speculative/eagle_info_v2.py"]
         files[0:0] = ["srt/managers/scheduler_components/batch_result_processor.py", "srt/managers/schedule_batch.py"]
+    elif variant in ("0.5.15", "0.5.16", "0.5.17"):
+        # from 0.5.15 the plain slots and host lengths live in eagle_utils.py (eagle_info_v2.py is
+        # gone), and from 0.5.16 a speculative decode allocates its KV in mem_cache/allocation.py
+        files[2:2] = ["srt/managers/overlap_utils.py"]
+        files[0:0] = ["srt/managers/scheduler_components/batch_result_processor.py", "srt/managers/schedule_batch.py"]
+        files += ["srt/speculative/eagle_utils.py"] + (["srt/mem_cache/allocation.py"] if variant != "0.5.15" else [])
     assert TARGET_FILES(version) == ([] if strategy == "native" else
                                      files + ["srt/speculative/spec_batch_threshold.py"])
 
@@ -528,11 +534,12 @@ def test_thresholds_refused_with_usage_errors(value: object, message: str) -> No
     ("0.5.14", "auto", "patch"), ("0.5.14", "patch", "patch"), ("0.5.14", "native", "native"),
     ("0.5.12", "patch", "patch"), ("0.5.6", "auto", "patch"), ("0.5.23", "native", "native"),
     ("0.5.23", "auto", "native"),
+    # variants measured on a GPU: "auto" takes the patch, "native" still gets the native route
+    ("0.5.15", "auto", "patch"), ("0.5.15.post1", "auto", "patch"), ("0.5.16", "auto", "patch"),
+    ("0.5.17", "auto", "patch"), ("0.5.17", "native", "native"),
     # variants not measured on a GPU: "auto" stays native, "patch" takes them
-    ("0.5.15", "auto", "native"), ("0.5.15", "patch", "patch"), ("0.5.15.post1", "patch", "patch"),
-    ("0.5.16", "patch", "patch"), ("0.5.17", "auto", "native"), ("0.5.17", "patch", "patch"),
     *((v, p, {"auto": "native", "patch": "patch", "native": "native"}[p])
-      for v in ("0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23") for p in ("auto", "patch", "native")),
+      for v in ("0.5.18", "0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23") for p in ("auto", "patch", "native")),
 ])
 def test_the_host_strategy_key_picks_where_a_release_allows_both(version: str, preference: str, strategy: str) -> None:
     assert strategy_for(version, preference) == strategy

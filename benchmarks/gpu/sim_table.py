@@ -206,7 +206,7 @@ def release_table() -> dict:
 
     def said(name, release):
         if release.measured:
-            return "patched, measured on a GPU"
+            return "patched, measured on a GPU" + (f"; short of a target: {release.misses}" if release.misses else "")
         taken = ('strategy = "auto" takes it: no native route before 0.5.14' if strategy_for(name) == "patch"
                  else 'only with strategy = "patch"')
         if release.gpu:

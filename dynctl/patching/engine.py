@@ -18,7 +18,7 @@ from dynctl.patching.recipe import (
     recipes,
     target_files,
 )
-from dynctl.patching.versions import strategy_for, unmeasured_note, variant_for
+from dynctl.patching.versions import patch_note, strategy_for, variant_for
 
 
 class PatchRefused(PreflightError):
@@ -68,7 +68,7 @@ class Plan:
 
     @property
     def message(self) -> str:
-        note = unmeasured_note(self.version)
+        note = patch_note(self.version)
         note = f"; {note}" if note else ""
         if self.status == "applied":
             return f"already applied, intact (sglang {self.version}){note}"

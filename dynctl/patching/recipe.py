@@ -95,6 +95,7 @@ class Release:
     variant: str
     measured: bool  # the variant was measured on a GPU for this release (benchmarks/gpu/results/)
     gpu: str | None = None  # of a release not marked measured: what GPU runs have shown so far
+    misses: str | None = None  # of a measured release: the targets its GPU runs fall short of
 
 
 @cache
@@ -106,7 +107,8 @@ def table() -> dict[str, Any]:
 
 def releases() -> dict[str, Release]:
     """Each release dynctl has a patch variant for, as written in the table."""
-    return {name: Release(entry["variant"], bool(entry.get("measured", False)), entry.get("gpu"))
+    return {name: Release(entry["variant"], bool(entry.get("measured", False)), entry.get("gpu"),
+                          entry.get("misses"))
             for name, entry in table()["releases"].items()}
 
 

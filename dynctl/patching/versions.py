@@ -8,9 +8,9 @@ from dynctl.base.errors import PreflightError, UsageError
 from dynctl.patching.recipe import Release, releases
 from dynctl.base.sglang import parse_version
 
-SUPPORTED = ("patch for sglang 0.5.6–0.5.12 and 0.5.14–0.5.23 (measured on a GPU: 0.5.8–0.5.12 and 0.5.14; "
-             "0.5.6 and 0.5.7, which have no native route, patched unmeasured; 0.5.15 on only with "
-             "strategy = \"patch\"), native adaptive config for sglang ≥ 0.5.14 "
+SUPPORTED = ("patch for sglang 0.5.6–0.5.12 and 0.5.14–0.5.23 (measured on a GPU: 0.5.8–0.5.12 and "
+             "0.5.14–0.5.17; 0.5.6 and 0.5.7, which have no native route, patched unmeasured; 0.5.18–0.5.23 "
+             "on only with strategy = \"patch\"), native adaptive config for sglang ≥ 0.5.14 "
              "(the default for releases without a measured patch variant)")
 MAX_THRESHOLD = hostspec.MAX_THRESHOLD
 
@@ -45,6 +45,17 @@ def unmeasured_note(version: str) -> str | None:
         return f"patch not measured on a GPU for sglang {version} in full: {release.gpu}"
     return (f"patch not measured on a GPU for sglang {version}: it passes every CPU check, but its "
             f"disabled-step cost and correctness were not measured")
+
+
+def patch_note(version: str) -> str | None:
+    """What plan and status say beside a patch for `version`: that it is not measured on a GPU, or the
+    targets its GPU runs fall short of (None for a measured release that meets them)."""
+    release = _release(version)
+    if release is None:
+        return None
+    if not release.measured:
+        return unmeasured_note(version)
+    return f"patch measured on a GPU; short of a target: {release.misses}" if release.misses else None
 
 
 def strategy_for(version: str, preference: str = "auto") -> str:
@@ -103,7 +114,7 @@ def strategy_note(version: str, strategy: str) -> str | None:
     if not _has_variant(version):
         return None
     if strategy == "patch":
-        return "patch measured on a GPU" if is_measured(version) else unmeasured_note(version)
+        return patch_note(version) or "patch measured on a GPU"
     if strategy == "native" and not is_measured(version):
         return (f'a patch variant for sglang {version} exists but is not measured on a GPU; '
                 f'strategy = "patch" takes it')

@@ -710,7 +710,7 @@ def write_dynctl_config(version, models_dir, hosts):
         lines.append(f'workdir = "{ENV}/dynwork-{name}"')
         lines.append(f"port = {port}")
         # the patch is what this phase measures: "auto" would take the native route where the
-        # variant is not yet marked as measured (0.5.15 on)
+        # variant is not yet marked as measured (0.5.18 on)
         lines.append('strategy = "patch"')
         env = {"PYTHONPATH": tree_env_["PYTHONPATH"], "PYTHONUNBUFFERED": "1"}
         for k in ("SGLANG_ENABLE_SPEC_V2", "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY", "SGLANG_SPEC_THRESHOLD_DRAFT"):
