@@ -169,6 +169,39 @@ def test_auto_strategy_patches_0_5_14(demo_box):
     assert tree_sha256(config) == pristine
 
 
+def test_a_native_deploy_moves_to_the_patch_when_the_release_takes_it_and_rolls_back_to_native(demo_box):
+    """A 0.5.16 host deployed on the native route (as `strategy = "auto"` did before the variant was
+    measured), then deployed again under "auto": the patch goes in and the adaptive flags come out; a
+    rollback puts the native release back as it ran, and `--to baseline` the pristine server."""
+    config = demo_box("0.5.16", via="local", strategy="native")
+    pristine = tree_sha256(config)
+    start_baseline(config)
+    native = dynctl("deploy", "--threshold", "4", "--yes", "--soak", "0", config=config)
+    assert native.returncode == 0, native.stdout + native.stderr
+    assert tree_sha256(config) == pristine and server_info(config)["speculative_adaptive"] is True
+
+    text = config.read_text()
+    assert 'strategy = "native"\n' in text
+    config.write_text(text.replace('strategy = "native"\n', ""))
+    patched = dynctl("deploy", "--threshold", "4", "--yes", "--soak", "0", config=config)
+    assert patched.returncode == 0, patched.stdout + patched.stderr
+    info = server_info(config)
+    assert tree_sha256(config) != pristine
+    assert not info.get("speculative_adaptive") and not info.get("speculative_adaptive_config")
+    assert info["internal_states"][0]["speculative_disable_batch_threshold"] == 4
+    status = json.loads(dynctl("status", "--json", config=config).stdout)
+    assert (status["patch"]["strategy"], status["patch"]["status"]) == ("patch", "applied")
+
+    back = dynctl("rollback", "--yes", "--soak", "0", config=config)
+    assert back.returncode == 0, back.stdout + back.stderr
+    info = server_info(config)
+    assert tree_sha256(config) == pristine
+    assert info["speculative_adaptive"] is True and info["speculative_adaptive_config"].endswith("adaptive.json")
+    again = dynctl("rollback", "--to", "baseline", "--yes", "--soak", "0", config=config)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert not server_info(config).get("speculative_adaptive") and tree_sha256(config) == pristine
+
+
 def test_a_strategy_the_release_cannot_take_is_refused_before_the_host_changes(demo_box):
     config = demo_box("0.5.12", via="local", strategy="native")
     pristine = tree_sha256(config)
