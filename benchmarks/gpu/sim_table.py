@@ -202,11 +202,12 @@ def release_table() -> dict:
     patches/variants.toml: the simulator runs the same step costs for every patched release."""
     sys.path.insert(0, REPO)  # dynctl's own reading of the table and its strategy rule
     from dynctl.patching.recipe import releases
-    from dynctl.patching.versions import strategy_for
+    from dynctl.patching.versions import shortfall, strategy_for
 
     def said(name, release):
         if release.measured:
-            return "patched, measured on a GPU" + (f"; short of a target: {release.misses}" if release.misses else "")
+            short = shortfall(name)
+            return "patched, measured on a GPU" + (f"; {short}" if short else "")
         taken = ('strategy = "auto" takes it: no native route before 0.5.14' if strategy_for(name) == "patch"
                  else 'only with strategy = "patch"')
         if release.gpu:

@@ -47,15 +47,21 @@ def unmeasured_note(version: str) -> str | None:
             f"disabled-step cost and correctness were not measured")
 
 
+def shortfall(version: str) -> str | None:
+    """The targets the GPU runs of a measured release fall short of, in words (None where it meets them)."""
+    release = _release(version)
+    if release is None or not release.measured or not release.misses:
+        return None
+    return f"short of a target: {release.misses}"
+
+
 def patch_note(version: str) -> str | None:
     """What plan and status say beside a patch for `version`: that it is not measured on a GPU, or the
     targets its GPU runs fall short of (None for a measured release that meets them)."""
-    release = _release(version)
-    if release is None:
-        return None
-    if not release.measured:
-        return unmeasured_note(version)
-    return f"patch measured on a GPU; short of a target: {release.misses}" if release.misses else None
+    if (note := unmeasured_note(version)) is not None:
+        return note
+    short = shortfall(version)
+    return None if short is None else f"patch measured on a GPU; {short}"
 
 
 def strategy_for(version: str, preference: str = "auto") -> str:
