@@ -116,6 +116,19 @@ def test_generate_streams_cumulative_outputs_as_sse(client):
     assert all(e["meta_info"]["finish_reason"] is None for e in events[:-1])
 
 
+def test_stream_interval_sends_a_running_request_every_kth_token_and_always_the_last(patched_site_059, start_sim):
+    """--stream-interval 4, as sglang's output streamer: a stream gets the first token at once, then the
+    outputs of length 5, 9, ..., and the finished one; interval 1 (the module's server) sends every step."""
+    argv = ["--time-scale", "1", "--sim-load-seconds", "0.2", "--model-path", "/models/sim-test",
+            "--stream-interval", "4"]
+    server = start_sim(patched_site_059, argv).wait_ready()
+    with server.client() as c:
+        r = c.post("/generate", json={"text": "Hi", "stream": True,
+                                      "sampling_params": {"max_new_tokens": 10, "ignore_eos": True}})
+    lengths = [len(json.loads(e)["output_ids"]) for e in sse_events(r.text)[:-1]]
+    assert lengths[0] == 1 and lengths[-1] == 10 and set(lengths) <= {1, 5, 9, 10}, lengths
+
+
 def test_openai_completions_non_streaming_shape(client):
     r = client.post("/v1/completions", json={"model": "m", "prompt": "Say", "max_tokens": 7})
     assert r.status_code == 200

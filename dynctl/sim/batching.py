@@ -65,6 +65,7 @@ class Batcher:
         self.max_running_requests = max_running_requests
         self.max_prefill_tokens = args.get("max_prefill_tokens") or 16384
         self.log_interval = max(1, args.get("decode_log_interval") or 40)
+        self.stream_interval = max(1, args.get("stream_interval") or 1)
         self.log = log
         self.metrics = metrics
         self.schedulers_alive = schedulers_alive
@@ -261,8 +262,14 @@ class Batcher:
         self.last_output_at = time.time()
         if len(request.output_ids) >= request.max_new_tokens:
             self._finish(request, {"type": "length", "length": request.max_new_tokens})
-        request.changed.set()
+        elif self._streams_now(len(request.output_ids)):
+            request.changed.set()
         return count
+
+    def _streams_now(self, output_len: int) -> bool:
+        """output_streamer.py accept: with --stream-interval K > 1 a running request's output goes out when its
+        length is 1 modulo K (the first token at once), every step when K is 1; a finished one always does."""
+        return output_len % self.stream_interval == (1 if self.stream_interval > 1 else 0)
 
     def _finish(self, request: Request, reason: dict) -> None:
         request.finished = True
