@@ -210,8 +210,6 @@ def release_table() -> dict:
             return "patched, measured on a GPU" + (f"; {short}" if short else "")
         taken = ('strategy = "auto" takes it: no native route before 0.5.14' if strategy_for(name) == "patch"
                  else 'only with strategy = "patch"')
-        if release.gpu:
-            return f"patched, measured in part on a GPU ({taken}; these step costs stand in for it): {release.gpu}"
         return f"patched, not measured on a GPU ({taken}; these step costs stand in for it)"
 
     patched = {name: said(name, release) for name, release in releases().items()}

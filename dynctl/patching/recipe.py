@@ -94,7 +94,6 @@ CHECKS: dict[str, Callable[[str], str | None]] = {"eagle_class_is_last": _eagle_
 class Release:
     variant: str
     measured: bool  # the variant was measured on a GPU for this release (benchmarks/gpu/results/)
-    gpu: str | None = None  # of a release not marked measured: what GPU runs have shown so far
     misses: str | None = None  # of a measured release: the targets its GPU runs fall short of
 
 
@@ -107,8 +106,7 @@ def table() -> dict[str, Any]:
 
 def releases() -> dict[str, Release]:
     """Each release dynctl has a patch variant for, as written in the table."""
-    return {name: Release(entry["variant"], bool(entry.get("measured", False)), entry.get("gpu"),
-                          entry.get("misses"))
+    return {name: Release(entry["variant"], bool(entry.get("measured", False)), entry.get("misses"))
             for name, entry in table()["releases"].items()}
 
 

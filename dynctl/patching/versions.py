@@ -41,8 +41,6 @@ def unmeasured_note(version: str) -> str | None:
     release = _release(version)
     if release is None or release.measured:
         return None
-    if release.gpu:
-        return f"patch not measured on a GPU for sglang {version} in full: {release.gpu}"
     return (f"patch not measured on a GPU for sglang {version}: it passes every CPU check, but its "
             f"disabled-step cost and correctness were not measured")
 
