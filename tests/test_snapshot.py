@@ -41,6 +41,25 @@ def test_the_log_line_of_a_flip_the_gauge_showed_first_takes_its_place() -> None
     assert stale.last_switch == back.last_switch == Switch(T0 + 5, True, source="gauge")
 
 
+def test_a_gauge_catching_up_with_a_line_already_read_keeps_the_lines_switch() -> None:
+    # the agent reads /metrics, then the log: the step at T0+1 flipped OFF in between, so the sample at T0+1
+    # has the gauge still ON beside the line, and the next one the gauge OFF with no line
+    h = HostHistory("h")
+    first = build_snapshot(item(T0, 0, 3), "h")
+    logged = build_snapshot(item(T0 + 1, 1, 9, spec=True, marks=[transition_line(T0 + 1, False, 9, 5)]), "h", first)
+    caught_up = build_snapshot(item(T0 + 2, 2, 9), "h", logged)
+    for snap in (first, logged, caught_up):
+        h.add(snap)
+    assert logged.speculation is False and logged.readings["speculation"].source == "log"
+    assert caught_up.speculation is False and caught_up.readings["speculation"].source == "metrics"
+    assert logged.last_switch == caught_up.last_switch == Switch(T0 + 1, False, 9, 5)
+    assert h.switches() == [Switch(T0 + 1, False, 9, 5)]
+    # a log whose new bytes were skipped may lack a later flip: then the gauge is the better word
+    cut = item(T0 + 3, 3, 3, spec=True, marks=[transition_line(T0 + 1, False, 9, 5)])
+    cut["log"]["skipped_bytes"] = 2 << 20
+    assert build_snapshot(cut, "h", caught_up).speculation is True
+
+
 def test_a_restarted_server_forgets_its_drain_and_warnings() -> None:
     warn = ("[2026-11-29 11:00:00 TP0] speculative_disable_batch_threshold=5 is not armed: DP attention is "
             "enabled (batch sizes differ). Speculation is never disabled.")

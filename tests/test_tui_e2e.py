@@ -95,7 +95,7 @@ async def test_indicator_flips_off_under_load_and_back_on(demo_config: Path) -> 
         await wait_until(lambda: "SPECULATION ON" in spec.text(), "speculation on while idle")
 
         with Load(host.port, streams=12) as load:
-            # the gauge may show the flip a sample before the log's line of it, which brings the batch
+            # the switch shown must be the log's line of the flip, which brings the batch
             await wait_until(lambda: "SPECULATION OFF" in spec.text() and "> threshold 5" in spec.text(),
                              "speculation off under 12 streams, with the batch the log gave")
             snap = app.latest["box"]

@@ -218,6 +218,11 @@ def build_snapshot(item: dict[str, Any], host: str, prev: HostSnapshot | None = 
                       "native" if info.get("speculative_adaptive") else None,
                       prev.strategy if prev is not None else None)
 
+    newest = latest_switch(switches)
+    if (newest is not None and metrics.spec_enabled is not None and not log.get("skipped_bytes")
+            and newest.enabled != metrics.spec_enabled):
+        # the agent reads /metrics before the log: a line of a flip that came in between is the newer word
+        metrics = replace(metrics, spec_enabled=None)
     live = _live_loads(item.get("loads"))
     idle = up and live[0] == 0 and live[1] == 0
     speculation = _speculation(metrics, switches, spec_configured, strategy, run_prev) if up else None

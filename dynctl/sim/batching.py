@@ -141,6 +141,8 @@ class Batcher:
                 plan = self.speculation.decide(batch)
                 if plan.transition:
                     self.log.info(plan.transition)
+                # the patch writes its gauges as it decides, right after the line, before the step runs
+                self.speculation.observe_metrics(plan)
                 seconds = self.costs.decode_step_seconds(batch, plan.kind, plan.steps, plan.draft_tokens)
                 deadline = await self._sleep_until(loop, deadline + seconds / self.time_scale)
                 self._finish_decode(plan)
@@ -232,7 +234,6 @@ class Batcher:
             note = self.speculation.after_verify(len(batch), accepted_counts)
             if note:
                 self.log.info(note)
-        self.speculation.observe_metrics(plan)
         self.num_generated_tokens += generated
         self.forward_ct_decode += 1
         self.last_plan = plan
